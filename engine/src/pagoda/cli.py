@@ -1,0 +1,162 @@
+"""The ``pagoda`` command: ``pagoda generate [MODEL]`` runs an offline generation."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from collections.abc import Sequence
+from typing import Optional
+
+from pagoda.config import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_GPU_MEMORY_UTILIZATION,
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    DEFAULT_MAX_NUM_SEQS,
+    EngineArgs,
+)
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Engine flags, named like ``vllm serve``'s."""
+    parser.add_argument(
+        "model", nargs="?", default=None, help="local HF model directory (default: built-in stories260K)"
+    )
+    parser.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "float", "bfloat16", "float16", "half"])
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--max-model-len", type=int, default=None, help="default: the model's max_position_embeddings")
+    parser.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help="tokens per KV block")
+    parser.add_argument(
+        "--kv-cache-memory",
+        default=None,
+        help="CPU KV cache budget, e.g. 2GiB (default: 4GiB, or less if max-num-seqs full sequences need less)",
+    )
+    parser.add_argument("--gpu-memory-utilization", type=float, default=DEFAULT_GPU_MEMORY_UTILIZATION)
+    parser.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS)
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help=f"token budget per step (default: {DEFAULT_MAX_NUM_BATCHED_TOKENS} with chunked prefill)",
+    )
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--chat-template", default=None, help="a Jinja chat template (file path or inline)")
+    parser.add_argument("--generation-config", default="auto", choices=["auto", "vllm"])
+    parser.add_argument("--attention-backend", default="auto", choices=["auto", "torch"])
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
+    chat_template = ns.chat_template
+    if chat_template is not None and not ("{" in chat_template or "\n" in chat_template):
+        with open(chat_template, encoding="utf-8") as f:  # a path, not an inline template
+            chat_template = f.read()
+    return EngineArgs(
+        model=ns.model,
+        tokenizer=ns.tokenizer,
+        dtype=ns.dtype,
+        device=ns.device,
+        max_model_len=ns.max_model_len,
+        block_size=ns.block_size,
+        kv_cache_memory=ns.kv_cache_memory,
+        gpu_memory_utilization=ns.gpu_memory_utilization,
+        max_num_seqs=ns.max_num_seqs,
+        max_num_batched_tokens=ns.max_num_batched_tokens,
+        enable_prefix_caching=ns.enable_prefix_caching,
+        enable_chunked_prefill=ns.enable_chunked_prefill,
+        seed=ns.seed,
+        chat_template=chat_template,
+        generation_config=ns.generation_config,
+        attention_backend=ns.attention_backend,
+    )
+
+
+def _generate(ns: argparse.Namespace) -> int:
+    from pagoda import LLM, SamplingParams
+
+    llm = LLM(**{k: v for k, v in _asdict(engine_args_from(ns)).items()})
+    params = SamplingParams(
+        n=ns.n,
+        temperature=ns.temperature,
+        top_p=ns.top_p,
+        top_k=ns.top_k,
+        max_tokens=ns.max_tokens,
+        seed=ns.sampling_seed,
+    )
+    prompts = ns.prompt or ["Once upon a time"]
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params)
+    elapsed = time.perf_counter() - start
+    num_generated = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    for output in outputs:
+        for completion in output.outputs:
+            if ns.json:
+                print(
+                    json.dumps(
+                        {
+                            "prompt": output.prompt,
+                            "index": completion.index,
+                            "text": completion.text,
+                            "token_ids": completion.token_ids,
+                            "finish_reason": completion.finish_reason,
+                        }
+                    )
+                )
+            else:
+                print(f"--- {output.prompt!r} [{completion.index}] ({completion.finish_reason})")
+                print(output.prompt + completion.text)
+    logging.getLogger("pagoda").info(
+        "generated %d tokens for %d prompts in %.2f s (%.1f tok/s)",
+        num_generated,
+        len(prompts),
+        elapsed,
+        num_generated / elapsed if elapsed > 0 else 0.0,
+    )
+    return 0
+
+
+def _asdict(args: EngineArgs) -> dict:
+    return {name: getattr(args, name) for name in args.__dataclass_fields__}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagoda", description="Pagoda LLM engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser(
+        "generate",
+        help="offline generation with the built-in or a local model",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    add_engine_args(gen)
+    gen.add_argument("--prompt", action="append", help="a prompt (repeatable; default: 'Once upon a time')")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("-n", type=int, default=1, help="sequences per prompt")
+    gen.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed")
+    gen.add_argument("--json", action="store_true", help="print one JSON object per completion")
+    gen.set_defaults(handler=_generate)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    logging.basicConfig(
+        level=ns.log_level.upper(), stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        return ns.handler(ns)
+    except ValueError as exc:
+        print(f"pagoda: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

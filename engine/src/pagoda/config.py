@@ -1,0 +1,118 @@
+"""Engine arguments (what a user sets, named like vLLM's flags) and their validation."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Optional, Union
+
+DEFAULT_BLOCK_SIZE = 16
+DEFAULT_MAX_NUM_SEQS = 256
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+DEFAULT_CPU_KV_CACHE_MEMORY = 4 * 1024**3
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.92
+
+_SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2}
+_SIZE_UNITS |= {"g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4, "tb": 1000**4, "tib": 1024**4}
+
+
+def builtin_model_path() -> Path:
+    """The bundled stories260K checkpoint (MIT, see its README)."""
+    return Path(str(resources.files("pagoda") / "assets" / "models" / "stories260K"))
+
+
+def parse_size(value: Union[int, str]) -> int:
+    """Parse a byte count such as ``4294967296``, ``"4GiB"``, ``"512MB"`` or ``"2G"``."""
+    if isinstance(value, int):
+        size = value
+    else:
+        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(value))
+        unit = match.group(2).lower() if match else None
+        if match is None or unit not in _SIZE_UNITS:
+            raise ValueError(f"cannot parse {value!r} as a size; use bytes or a unit such as 512MiB, 4GiB")
+        size = int(float(match.group(1)) * _SIZE_UNITS[unit])
+    if size <= 0:
+        raise ValueError(f"size must be positive, got {value!r}")
+    return size
+
+
+@dataclass(slots=True)
+class EngineArgs:
+    """Everything that configures an engine. ``None`` means "derive a sane default"."""
+
+    model: Optional[str] = None  # a local HF directory; None: the built-in stories260K
+    tokenizer: Optional[str] = None
+    dtype: str = "auto"
+    device: str = "auto"  # auto | cpu | cuda
+    max_model_len: Optional[int] = None
+    block_size: int = DEFAULT_BLOCK_SIZE
+    kv_cache_memory: Union[None, int, str] = None  # CPU KV budget in bytes (default 4 GiB or what is needed)
+    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
+    max_num_batched_tokens: Optional[int] = None
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    seed: int = 0
+    chat_template: Optional[str] = None
+    generation_config: str = "auto"  # auto: the model's generation_config.json supplies defaults; vllm: ignore it
+    attention_backend: str = "auto"
+
+    def resolved_model_path(self) -> Path:
+        path = builtin_model_path() if self.model is None else Path(self.model).expanduser()
+        if not path.is_dir():
+            raise ValueError(
+                f"model {self.model!r} is not a local directory; pass the path of a Hugging Face "
+                "model directory (config.json + *.safetensors), or no model for the built-in stories260K"
+            )
+        return path
+
+    def validate(self) -> None:
+        """Check the values that do not depend on the model."""
+        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
+            raise ValueError(f"block_size must be a power of two between 1 and 128, got {self.block_size}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be at least 1, got {self.max_model_len}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.kv_cache_memory is not None:
+            self.kv_cache_memory = parse_size(self.kv_cache_memory)
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
+        if self.generation_config not in ("auto", "vllm"):
+            raise ValueError(f"generation_config must be 'auto' or 'vllm', got {self.generation_config!r}")
+        if self.attention_backend not in ("auto", "torch"):
+            raise ValueError(
+                f"attention_backend must be auto or torch (triton arrives with the GPU path), got {self.attention_backend!r}"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """Limits the scheduler plans under."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    enable_chunked_prefill: bool
+
+    @staticmethod
+    def from_args(args: EngineArgs, max_model_len: int) -> SchedulerConfig:
+        budget = args.max_num_batched_tokens
+        if budget is None:
+            budget = (
+                DEFAULT_MAX_NUM_BATCHED_TOKENS
+                if args.enable_chunked_prefill
+                else max(DEFAULT_MAX_NUM_BATCHED_TOKENS, max_model_len)
+            )
+        if not args.enable_chunked_prefill and budget < max_model_len:
+            raise ValueError(
+                f"without chunked prefill, max_num_batched_tokens ({budget}) must be at least "
+                f"max_model_len ({max_model_len}) so that every prompt fits in one step"
+            )
+        return SchedulerConfig(args.max_num_seqs, budget, max_model_len, args.enable_chunked_prefill)

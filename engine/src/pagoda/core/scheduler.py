@@ -1,0 +1,234 @@
+"""Continuous batching: who runs this step, and how many tokens each gets.
+
+There are no prefill or decode phases: each running sequence's ``num_computed_tokens``
+catches up with its ``num_tokens`` under one token budget. Running sequences go first (a
+decode is a one-token chunk, a long prompt is chunked), then waiting ones in arrival order.
+When blocks run out, the latest arrival is preempted (its blocks freed, recomputed later)
+and put back at the front of the queue.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import replace
+from typing import Optional
+
+from pagoda.config import SchedulerConfig
+from pagoda.core.kv_cache_manager import KVCacheManager
+from pagoda.core.scheduler_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from pagoda.request import Request, RequestStatus
+
+
+class Scheduler:
+    """Plans steps and applies their results to request state. Holds no tensors."""
+
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv_cache_manager
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.pending_block_copies: list[tuple[int, int]] = []
+        self.num_preemptions_total = 0
+        self.num_chunked_prefill_steps = 0  # steps that computed part, not all, of some prompt
+
+    # ---- requests in and out -------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        assert request.request_id not in self.requests, f"duplicate request id {request.request_id}"
+        self.waiting.append(request)
+        self.requests[request.request_id] = request
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
+        """Finish (abort, or stop on a stop string) sequences wherever they are; frees their blocks."""
+        assert status.finished
+        finished = []
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None or request.is_finished:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            self._finish(request, status)
+            finished.append(request)
+        return finished
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    # ---- planning ------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Decide this step's batch under ``max_num_batched_tokens`` and ``max_num_seqs``."""
+        out = SchedulerOutput(block_copies=self.pending_block_copies)
+        self.pending_block_copies = []
+        scheduled: dict[str, ScheduledRequest] = {}
+        budget = self.config.max_num_batched_tokens
+        for request in list(self.running):
+            if request.status != RequestStatus.RUNNING or budget == 0:
+                continue  # preempted earlier in this loop, or the budget is spent
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new <= 0:
+                continue
+            while self.kv.allocate_slots(request, num_new) is None:
+                victim = max(self.running, key=lambda r: r.arrival_seq)
+                budget += self._preempt(victim, scheduled)
+                out.preempted_ids.append(victim.request_id)
+                if victim is request:
+                    break
+            if request.status != RequestStatus.RUNNING:
+                continue
+            scheduled[request.request_id] = ScheduledRequest(request, num_new, self.kv.get_block_ids(request))
+            budget -= num_new
+        if not out.preempted_ids:  # admitting while evicting would only thrash
+            budget = self._admit_waiting(scheduled, budget)
+        out.scheduled = list(scheduled.values())
+        if any(s.request.num_computed_tokens + s.num_tokens < s.request.num_prompt_tokens for s in out.scheduled):
+            self.num_chunked_prefill_steps += 1
+        return out
+
+    def _admit_waiting(self, scheduled: dict[str, ScheduledRequest], budget: int) -> int:
+        now = time.monotonic()
+        while self.waiting and budget > 0:
+            request = self.waiting[0]
+            seats = request.sampling_params.n if request.needs_fork else 1
+            if self.running and len(self.running) + seats > self.config.max_num_seqs:
+                break
+            hits, num_cached = self.kv.get_computed_blocks(request)
+            num_new = request.num_tokens - num_cached
+            if not self.config.enable_chunked_prefill and num_new > budget:
+                break
+            num_new = min(num_new, budget)
+            if self.kv.allocate_slots(request, num_new, hits) is None:
+                break
+            self.waiting.popleft()
+            self.kv.record_prefix_cache_query(request.num_tokens, num_cached)
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_cached
+            if request.num_cached_tokens is None:
+                request.num_cached_tokens = num_cached
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = now
+            self.running.append(request)
+            scheduled[request.request_id] = ScheduledRequest(request, num_new, self.kv.get_block_ids(request))
+            budget -= num_new
+        return budget
+
+    def _preempt(self, request: Request, scheduled: dict[str, ScheduledRequest]) -> int:
+        """Free the sequence's blocks and queue it first for recompute; returns budget given back."""
+        undone = scheduled.pop(request.request_id, None)
+        self.running.remove(request)
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions_total += 1
+        self.waiting.appendleft(request)
+        return undone.num_tokens if undone is not None else 0
+
+    # ---- applying results ----------------------------------------------------------------
+
+    def update_from_output(self, plan: SchedulerOutput, result: ModelRunnerOutput) -> list[Request]:
+        """Advance computed counts, append sampled tokens, fork ``n > 1`` requests, and finish
+        sequences on EOS, stop token ids or length. Returns every sequence that got new tokens
+        or finished (forked children included)."""
+        now = time.monotonic()
+        updated: list[Request] = []
+        for item in plan.scheduled:
+            request = item.request
+            if request.status != RequestStatus.RUNNING:
+                continue  # finished or preempted after planning
+            request.num_computed_tokens += item.num_tokens
+            if request.pending_prompt_logprobs:
+                request.prompt_logprobs.extend(result.prompt_logprobs.get(request.request_id, ()))
+                if request.num_computed_tokens >= request.num_prompt_tokens:
+                    request.pending_prompt_logprobs = False
+            tokens = result.sampled_token_ids.get(request.request_id)
+            if tokens is None:
+                continue
+            logprobs = result.logprobs.get(request.request_id)
+            sequences = self._fork(request) if request.needs_fork else [request]
+            assert len(sequences) == len(tokens)
+            for i, (seq, token) in enumerate(zip(sequences, tokens)):
+                self._append_token(seq, token, logprobs[i] if logprobs else None, now)
+                updated.append(seq)
+        return updated
+
+    def _append_token(self, request: Request, token: int, logprobs, now: float) -> None:
+        request.append_output_token(token)
+        if request.first_token_time is None:
+            request.first_token_time = now
+        request.last_token_time = now
+        if logprobs is not None and request.logprobs is not None:
+            request.logprobs.append(logprobs)
+            request.cumulative_logprob += logprobs[token].logprob
+        status = self._stop_status(request, token)
+        if status is not None and request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+            self._finish(request, status)
+        elif status is not None:  # a fork child that is waiting for recompute
+            self.waiting.remove(request)
+            self._finish(request, status)
+
+    def _stop_status(self, request: Request, token: int) -> Optional[RequestStatus]:
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token in request.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if token in params.all_stop_token_ids:
+                request.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _fork(self, parent: Request) -> list[Request]:
+        """Split an ``n > 1`` request whose prompt is computed into n sequences sharing its blocks."""
+        parent.forked = True
+        children = []
+        position = self.running.index(parent) + 1
+        for index in range(1, parent.sampling_params.n):
+            child = replace(
+                parent,
+                request_id=f"{parent.request_id}#{index}",
+                parent_id=parent.request_id,
+                index=index,
+                generator=parent.sibling_generators[index - 1] if parent.sibling_generators else None,
+                sibling_generators=None,
+                output_token_ids=[],
+                all_token_ids=list(parent.all_token_ids),
+                block_hashes=[],
+                logprobs=[] if parent.logprobs is not None else None,
+                prompt_logprobs=None,
+                pending_prompt_logprobs=False,
+            )
+            self.requests[child.request_id] = child
+            copies = self.kv.fork(parent, child)
+            if copies is None:  # no block for its tail copy: recompute it later instead
+                child.status = RequestStatus.PREEMPTED
+                child.num_computed_tokens = 0
+                self.waiting.appendleft(child)
+            else:
+                self.pending_block_copies.extend(copies)
+                self.running.insert(position, child)
+                position += 1
+            children.append(child)
+        parent.sibling_generators = None
+        return [parent, *children]
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        self.kv.free(request)
+        del self.requests[request.request_id]

@@ -1,0 +1,1 @@
+"""The step-level engine, output processing and detokenization."""

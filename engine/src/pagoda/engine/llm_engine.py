@@ -1,0 +1,228 @@
+"""The step-level engine: admit requests, run one scheduled step at a time, emit outputs."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import random
+import time
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+
+from pagoda.config import EngineArgs, SchedulerConfig
+from pagoda.core.kv_cache_manager import KVCacheManager
+from pagoda.core.scheduler import Scheduler
+from pagoda.engine.output_processor import OutputProcessor
+from pagoda.model_config import ModelConfig, resolve_dtype
+from pagoda.outputs import RequestOutput
+from pagoda.request import Request, RequestStatus
+from pagoda.sampling_params import SamplingParams
+from pagoda.tokenizer import get_tokenizer
+from pagoda.worker.kv_sizing import check_fits, cpu_num_blocks, gpu_num_blocks
+from pagoda.worker.model_runner import ModelRunner
+from pagoda.worker.sampler import validate_for_vocab
+
+logger = logging.getLogger(__name__)
+
+MAX_LOGPROBS = 20
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """A snapshot of the engine's gauges and counters (for metrics and tests)."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    num_chunked_prefill_steps: int
+    num_blocks: int
+    block_size: int
+
+
+class LLMEngine:
+    """Loads a model, sizes the KV cache, and drives scheduler + model runner step by step."""
+
+    def __init__(self, args: EngineArgs) -> None:
+        args.validate()
+        self.args = args
+        model_path = args.resolved_model_path()
+        self.model_config = ModelConfig.from_model_dir(model_path)
+        self.tokenizer = get_tokenizer(args.tokenizer or model_path)
+        self.device = _resolve_device(args.device)
+        self.dtype = resolve_dtype(args.dtype, self.model_config, self.device)
+        self.max_model_len = _resolve_max_model_len(args.max_model_len, self.model_config)
+        scheduler_config = SchedulerConfig.from_args(args, self.max_model_len)
+        torch.manual_seed(args.seed)
+        self.runner = ModelRunner(self.model_config, model_path, self.dtype, self.device)
+        shape = self.runner.kv_cache_shape(args.block_size)
+        if self.device.type == "cpu":
+            num_blocks = cpu_num_blocks(shape, args.kv_cache_memory, args.max_num_seqs, self.max_model_len)
+            check_fits(num_blocks, shape, self.max_model_len, "raise --kv-cache-memory")
+        else:
+            profile_tokens = min(scheduler_config.max_num_batched_tokens, self.max_model_len)
+            num_blocks = gpu_num_blocks(
+                shape, args.gpu_memory_utilization, self.device, lambda: self.runner.profile_run(profile_tokens)
+            )
+            check_fits(num_blocks, shape, self.max_model_len, "raise --gpu-memory-utilization")
+        self.runner.allocate_kv_cache(shape, num_blocks)
+        logger.info(
+            "KV cache: %d blocks of %d tokens = %d tokens (%.1f MiB, %s); %.1f sequences of max_model_len=%d fit",
+            num_blocks,
+            shape.block_size,
+            num_blocks * shape.block_size,
+            num_blocks * shape.bytes_per_block / 2**20,
+            self.dtype,
+            num_blocks * shape.block_size / self.max_model_len,
+            self.max_model_len,
+        )
+        self.scheduler = Scheduler(
+            scheduler_config, KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching)
+        )
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._seed_rng = random.Random(args.seed)
+        self._arrival_seq = itertools.count()
+        self.last_step_num_tokens = 0
+
+    # ---- requests ------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: Union[None, str, list[int]],
+        params: SamplingParams,
+        arrival_time: Optional[float] = None,
+        lora_id: Optional[int] = None,
+        cache_salt: Optional[str] = None,
+    ) -> Request:
+        """Validate and queue a request; raises ValueError for anything the engine cannot serve."""
+        if request_id in self.output_processor.states:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text = prompt if isinstance(prompt, str) else None
+        prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt or [])
+        self._validate(prompt_ids, params)
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(prompt_ids)
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=prompt_ids,
+            sampling_params=params,
+            arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
+            arrival_seq=next(self._arrival_seq),
+            eos_token_ids=self.model_config.eos_token_ids,
+            max_tokens=max_tokens,
+            lora_id=lora_id,
+            cache_salt=cache_salt,
+        )
+        generators = self._generators(params)
+        request.generator = generators[0]
+        request.sibling_generators = generators[1:] if params.n > 1 else None
+        self.output_processor.add_request(request, text)
+        self.scheduler.add_request(request)
+        return request
+
+    def abort_request(self, request_ids: Union[str, list[str]]) -> None:
+        """Stop requests (all ``n`` sequences of each) and free their blocks; no further output."""
+        for request_id in [request_ids] if isinstance(request_ids, str) else request_ids:
+            self.scheduler.finish_requests(
+                self.output_processor.sequence_ids(request_id), RequestStatus.FINISHED_ABORTED
+            )
+            self.output_processor.remove_request(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # ---- stepping ------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model once, and return the outputs of requests that progressed."""
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
+            # start-up guarantees one max-length sequence fits, so work can always progress
+            assert not self.scheduler.has_unfinished_requests(), "scheduler made no progress"
+            return []
+        result = self.runner.execute(plan)
+        updated = self.scheduler.update_from_output(plan, result)
+        stopped = self.output_processor.detokenize(updated)
+        self.scheduler.finish_requests([r.request_id for r in stopped], RequestStatus.FINISHED_STOPPED)
+        self.last_step_num_tokens = plan.num_batched_tokens
+        return self.output_processor.make_outputs(updated)
+
+    def get_stats(self) -> EngineStats:
+        kv = self.scheduler.kv
+        return EngineStats(
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            kv_cache_usage=kv.usage,
+            prefix_cache_queries=kv.prefix_cache_queries,
+            prefix_cache_hits=kv.prefix_cache_hits,
+            num_preemptions=self.scheduler.num_preemptions_total,
+            num_chunked_prefill_steps=self.scheduler.num_chunked_prefill_steps,
+            num_blocks=kv.pool.num_blocks,
+            block_size=kv.block_size,
+        )
+
+    def kv_slot_usage(self) -> tuple[int, int]:
+        """(allocated slots, slots holding a live token) over running sequences; a block shared by
+        several sequences counts once. ``1 - used / allocated`` is the KV waste."""
+        kv = self.scheduler.kv
+        allocated: set[int] = set()
+        used: dict[int, int] = {}
+        for request in self.scheduler.running:
+            block_ids = kv.get_block_ids(request)
+            allocated.update(block_ids)
+            for i, block_id in enumerate(block_ids):
+                filled = min(kv.block_size, max(request.num_computed_tokens - i * kv.block_size, 0))
+                used[block_id] = max(used.get(block_id, 0), filled)
+        return len(allocated) * kv.block_size, sum(used.values())
+
+    # ---- helpers -------------------------------------------------------------------------
+
+    def _validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        if not prompt_ids:
+            raise ValueError("the prompt is empty; it must contain at least one token")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids must be in [0, {vocab}); got {bad[:5]}")
+        requested = len(prompt_ids) + (params.max_tokens or 1)
+        if requested > self.max_model_len or len(prompt_ids) >= self.max_model_len:
+            raise ValueError(
+                f"this model's maximum context length is {self.max_model_len} tokens; the request has "
+                f"{len(prompt_ids)} prompt tokens and asks for {params.max_tokens} more "
+                f"({requested} in total). Shorten the prompt or lower max_tokens."
+            )
+        if params.n > self.scheduler.config.max_num_seqs:
+            raise ValueError(f"n={params.n} exceeds max_num_seqs={self.scheduler.config.max_num_seqs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > MAX_LOGPROBS:
+                raise ValueError(f"{name}={value} exceeds the maximum of {MAX_LOGPROBS}")
+        validate_for_vocab(params, vocab)
+
+    def _generators(self, params: SamplingParams) -> list[Optional[torch.Generator]]:
+        """One generator per sequence; a user seed s gives sequence i the seed s + i."""
+        if params.greedy:
+            return [None] * params.n
+        base = params.seed if params.seed is not None else self._seed_rng.getrandbits(62)
+        return [torch.Generator().manual_seed(base + i) for i in range(params.n)]
+
+
+def _resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' was requested but no CUDA device is available")
+    return torch.device(device)
+
+
+def _resolve_max_model_len(requested: Optional[int], config: ModelConfig) -> int:
+    limit = config.max_position_embeddings
+    if requested is None:
+        return limit
+    if requested > limit:
+        raise ValueError(f"max_model_len={requested} is larger than the model's max_position_embeddings={limit}")
+    return requested

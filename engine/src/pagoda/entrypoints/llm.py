@@ -1,0 +1,134 @@
+"""The offline API: ``LLM(model=...).generate(prompts, SamplingParams(...))`` and ``.chat(...)``."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Optional, Union
+
+from tqdm.auto import tqdm
+
+from pagoda.config import EngineArgs
+from pagoda.engine.llm_engine import LLMEngine
+from pagoda.outputs import RequestOutput
+from pagoda.sampling_params import RequestOutputKind, SamplingParams
+from pagoda.tokenizer import apply_chat_template
+
+PromptType = Union[str, list[int], dict]
+Messages = list[dict]
+
+# generation_config.json keys that become default sampling parameters (as vLLM does).
+_GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+class LLM:
+    """Generate text for a batch of prompts with continuous batching, all in this process.
+
+    ``model`` is a local Hugging Face directory; without one, the built-in stories260K model.
+    Other keyword arguments are :class:`pagoda.config.EngineArgs` fields.
+    """
+
+    def __init__(self, model: Optional[str] = None, **engine_args) -> None:
+        self.engine = LLMEngine(EngineArgs(model=model, **engine_args))
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's defaults, overridden by the model's generation_config.json when it sets them."""
+        if self.engine.args.generation_config == "vllm":
+            return SamplingParams()
+        defaults = self.engine.model_config.generation_defaults
+        return SamplingParams(**{k: defaults[k] for k in _GENERATION_DEFAULTS if k in defaults})
+
+    def generate(
+        self,
+        prompts: Union[PromptType, Sequence[PromptType]],
+        sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in the order of the prompts.
+
+        A prompt is a string, a list of token ids, or ``{"prompt": ...}`` /
+        ``{"prompt_token_ids": [...]}``.
+        """
+        batch = _as_prompt_list(prompts)
+        params = self._params_list(sampling_params, len(batch))
+        return self._run([_prompt_value(p) for p in batch], params, use_tqdm)
+
+    def chat(
+        self,
+        messages: Union[Messages, Sequence[Messages]],
+        sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
+        chat_template: Optional[str] = None,
+        add_generation_prompt: bool = True,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template (or ``chat_template``) to each conversation and generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        template = chat_template or self.engine.args.chat_template
+        prompts = [
+            apply_chat_template(self.engine.tokenizer, conv, template, add_generation_prompt) for conv in conversations
+        ]
+        params = self._params_list(sampling_params, len(prompts))
+        return self._run(prompts, params, use_tqdm)
+
+    def _params_list(
+        self, sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]], count: int
+    ) -> list[SamplingParams]:
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * count
+        if len(sampling_params) != count:
+            raise ValueError(f"got {len(sampling_params)} sampling params for {count} prompts")
+        return list(sampling_params)
+
+    def _run(self, prompts: list, params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.engine
+        order: dict[str, int] = {}
+        try:
+            for i, (prompt, p) in enumerate(zip(prompts, params)):
+                request_id = str(next(self._ids))
+                p = _final_only(p)
+                engine.add_request(request_id, prompt, p)
+                order[request_id] = i
+        except ValueError:
+            engine.abort_request(list(order))
+            raise
+        results: list[Optional[RequestOutput]] = [None] * len(prompts)
+        with tqdm(total=len(prompts), desc="Generating", unit="req", disable=not use_tqdm or len(prompts) < 2) as bar:
+            while engine.has_unfinished_requests():
+                for output in engine.step():
+                    if output.finished:
+                        results[order[output.request_id]] = output
+                        bar.update(1)
+        return results
+
+
+def _final_only(params: SamplingParams) -> SamplingParams:
+    if params.output_kind == RequestOutputKind.FINAL_ONLY:
+        return params
+    return replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
+
+
+def _as_prompt_list(prompts) -> list:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    if isinstance(prompts, list) and prompts and isinstance(prompts[0], int):
+        return [prompts]  # a single prompt given as token ids
+    return list(prompts)
+
+
+def _prompt_value(prompt: PromptType) -> Union[str, list[int]]:
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            return list(prompt["prompt_token_ids"])
+        if "prompt" in prompt:
+            return prompt["prompt"]
+        raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+    if isinstance(prompt, (str, list)):
+        return prompt
+    raise ValueError(f"a prompt must be a string, a list of token ids or a dict, not {type(prompt).__name__}")

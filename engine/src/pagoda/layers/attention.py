@@ -1,0 +1,47 @@
+"""The attention layer: per-layer constants plus a call into the step's attention backend."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from pagoda.worker.attention import AttentionBackend, AttentionLayerSpec, AttentionMetadata
+
+
+class Attention(nn.Module):
+    """Writes this step's K/V into the layer's paged cache and attends through the backend."""
+
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        backend: AttentionBackend,
+        sliding_window: Optional[int] = None,
+    ) -> None:
+        super().__init__()
+        if num_heads % num_kv_heads != 0:
+            raise ValueError(f"num_attention_heads {num_heads} is not a multiple of num_key_value_heads {num_kv_heads}")
+        self.spec = AttentionLayerSpec(
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            scale=head_dim**-0.5,
+            sliding_window=sliding_window,
+        )
+        self.backend = backend
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        return self.backend.forward(q, k, v, kv_cache, meta, self.spec)
+
+    def extra_repr(self) -> str:
+        return f"{self.spec}, backend={getattr(self.backend, 'name', type(self.backend).__name__)}"

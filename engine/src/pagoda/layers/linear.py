@@ -1,0 +1,77 @@
+"""Linear layers whose weights come from a checkpoint, including fused projections."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Linear(nn.Module):
+    """y = x W^T + b. Storage is left uninitialised: every value is overwritten by the loader."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        dtype: torch.dtype,
+        shared_weight: Optional[nn.Parameter] = None,  # e.g. an lm_head tied to the embedding
+    ) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        if shared_weight is not None:
+            assert shared_weight.shape == (out_features, in_features), shared_weight.shape
+            self.weight = shared_weight
+        else:
+            self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
+        self.bias: Optional[nn.Parameter] = (
+            nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [num_tokens, in] -> [num_tokens, out]
+        return F.linear(x, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}"
+
+
+class Embedding(nn.Module):
+    """Token embedding table [vocab, hidden]; uninitialised like :class:`Linear`."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim, dtype=dtype), requires_grad=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # ids: [num_tokens] -> [num_tokens, dim]
+        return F.embedding(ids, self.weight)
+
+
+class MergedLinear(Linear):
+    """Several projections of the same input stored as one matrix, so they run as one GEMM.
+
+    Output rows are the concatenation of the parts in order (e.g. [q | k | v] or [gate | up]);
+    each checkpoint tensor is copied into its part with :meth:`load_part`.
+    """
+
+    def __init__(self, in_features: int, output_sizes: Sequence[int], bias: bool, dtype: torch.dtype) -> None:
+        super().__init__(in_features, sum(output_sizes), bias, dtype)
+        self.output_sizes = tuple(output_sizes)
+
+    def part_rows(self, index: int) -> slice:
+        """Rows of the fused weight that hold part ``index``."""
+        start = sum(self.output_sizes[:index])
+        return slice(start, start + self.output_sizes[index])
+
+    def load_part(self, param_name: str, index: int, tensor: torch.Tensor) -> None:
+        """Copy one part's checkpoint ``weight`` or ``bias`` into the fused parameter."""
+        param = getattr(self, param_name)
+        assert param is not None, f"{param_name} is not a parameter of this layer"
+        target = param.data[self.part_rows(index)]
+        if target.shape != tensor.shape:
+            raise ValueError(f"expected shape {tuple(target.shape)}, checkpoint has {tuple(tensor.shape)}")
+        target.copy_(tensor)

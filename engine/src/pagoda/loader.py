@@ -1,0 +1,79 @@
+"""Build a model from a Hugging Face directory and fill it from safetensors files."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Optional, Union
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from tqdm.auto import tqdm
+
+from pagoda.model_config import ModelConfig
+from pagoda.models.registry import get_model_class
+from pagoda.worker.attention import AttentionBackend
+
+_INDEX_FILE = "model.safetensors.index.json"
+_SINGLE_FILE = "model.safetensors"
+
+
+def safetensors_files(model_dir: Union[str, Path]) -> list[Path]:
+    """The weight files of a checkpoint: the shards named by the index, or the single file."""
+    path = Path(model_dir)
+    index = path / _INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise ValueError(f"cannot read the shard index {str(index)!r}: {exc}") from exc
+        files = [path / name for name in sorted(set(weight_map.values()))]
+        absent = [f.name for f in files if not f.is_file()]
+        if absent:
+            raise ValueError(f"shard(s) listed in {_INDEX_FILE} are missing from {str(path)!r}: {', '.join(absent)}")
+        return files
+    if (path / _SINGLE_FILE).is_file():
+        return [path / _SINGLE_FILE]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(
+            f"no safetensors weights found in {str(path)!r} (expected {_SINGLE_FILE} or {_INDEX_FILE}); "
+            "PyTorch .bin checkpoints are not supported"
+        )
+    return files
+
+
+def iterate_safetensors(
+    model_dir: Union[str, Path], device: Union[str, torch.device] = "cpu"
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) for every tensor of the checkpoint, one shard open at a time.
+
+    A progress bar is shown only for sharded checkpoints (single files load in a blink).
+    """
+    files = safetensors_files(model_dir)
+    for file in tqdm(files, desc="Loading safetensors shards", unit="shard", disable=len(files) < 2):
+        with safe_open(str(file), framework="pt", device=str(device)) as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open objects are not iterable)
+                yield name, f.get_tensor(name)
+
+
+def load_model(
+    model_dir: Union[str, Path],
+    attn_backend: AttentionBackend,
+    dtype: torch.dtype,
+    device: Union[str, torch.device] = "cpu",
+    config: Optional[ModelConfig] = None,
+) -> nn.Module:
+    """Instantiate the checkpoint's architecture on ``device`` in ``dtype`` and load its weights.
+
+    ``config`` may be passed when the caller already parsed it; otherwise it is read from the directory.
+    """
+    config = config if config is not None else ModelConfig.from_model_dir(model_dir)
+    model_cls = get_model_class(config.architecture)
+    with torch.device(device):
+        model = model_cls(config, attn_backend, dtype)
+    # Cast on the device the tensor was loaded to, so a GPU load never holds an fp32 copy on the host.
+    model.load_weights((name, tensor.to(dtype)) for name, tensor in iterate_safetensors(model_dir, device))
+    return model.eval()

@@ -1,0 +1,178 @@
+"""Llama-family decoder (Llama 2/3, TinyLlama, Mistral, Qwen2); Qwen3 subclasses it.
+
+The families differ only in switches read from :class:`ModelConfig` (projection biases, sliding
+window per layer, tied embeddings, RoPE scaling). Module and parameter names follow transformers,
+except that q/k/v and gate/up are fused into ``qkv_proj`` and ``gate_up_proj`` at load time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import NamedTuple, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagoda.layers import Attention, Embedding, Linear, MergedLinear, RMSNorm, RotaryEmbedding, SiluAndMul, apply_rotary
+from pagoda.model_config import ModelConfig
+from pagoda.models.weights import load_named_weights
+from pagoda.worker.attention import AttentionBackend, AttentionMetadata
+
+
+class KVCacheSpec(NamedTuple):
+    """What the KV cache allocator needs: one cache tensor per layer of this shape per token."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+
+class LlamaAttention(nn.Module):
+    """Self-attention with fused q/k/v projection and rotate-half RoPE."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int, backend: AttentionBackend, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.split_sizes = [q_size, kv_size, kv_size]
+        self.qkv_proj = MergedLinear(config.hidden_size, self.split_sizes, config.qkv_bias, dtype)
+        self.o_proj = Linear(q_size, config.hidden_size, config.o_proj_bias, dtype)
+        self.attn = Attention(
+            self.num_heads, self.num_kv_heads, self.head_dim, backend, config.layer_sliding_windows[layer_idx]
+        )
+
+    def normalize_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Hook for per-head q/k norms (Qwen3); Llama has none."""
+        return q, k
+
+    def forward(
+        self,
+        hidden: torch.Tensor,  # [num_tokens, hidden]
+        cos: torch.Tensor,  # [num_tokens, head_dim]
+        sin: torch.Tensor,  # [num_tokens, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, hidden]
+        num_tokens = hidden.shape[0]
+        qkv = self.qkv_proj(hidden)  # [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim]
+        q, k, v = qkv.split(self.split_sizes, dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)  # [num_tokens, num_heads, head_dim]
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [num_tokens, num_kv_heads, head_dim]
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k = self.normalize_qk(q, k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = self.attn(q, k, v, kv_cache, meta)  # [num_tokens, num_heads, head_dim]
+        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU feed-forward with gate and up projections fused into one GEMM."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        inter = config.intermediate_size
+        self.gate_up_proj = MergedLinear(config.hidden_size, [inter, inter], config.mlp_bias, dtype)
+        self.act = SiluAndMul(config.hidden_act)
+        self.down_proj = Linear(inter, config.hidden_size, config.mlp_bias, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [num_tokens, hidden]
+        return self.down_proj(self.act(self.gate_up_proj(x)))  # gate_up: [num_tokens, 2 * intermediate]
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm block. Residual adds stay unfused so bf16 rounding matches transformers."""
+
+    def __init__(self, attn: LlamaAttention, config: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.self_attn = attn
+        self.mlp = LlamaMLP(config, dtype)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,  # [num_tokens, hidden]
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, hidden]
+        residual = hidden
+        hidden = self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, meta)
+        hidden = residual + hidden
+        residual = hidden
+        hidden = self.mlp(self.post_attention_layernorm(hidden))
+        return residual + hidden
+
+
+class LlamaModel(nn.Module):
+    """Embedding, decoder layers and final norm (transformers' ``model.*`` submodule)."""
+
+    def __init__(self, config: ModelConfig, layers: list[LlamaDecoderLayer], dtype: torch.dtype) -> None:
+        super().__init__()
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype)
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Decoder-only LM over a flattened (varlen) batch and a paged KV cache."""
+
+    attention_cls: type[LlamaAttention] = LlamaAttention
+
+    def __init__(self, config: ModelConfig, attn_backend: AttentionBackend, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.config = config
+        self.dtype = dtype
+        self.attn_backend = attn_backend
+        layers = [
+            LlamaDecoderLayer(self.attention_cls(config, i, attn_backend, dtype), config, dtype)
+            for i in range(config.num_hidden_layers)
+        ]
+        self.model = LlamaModel(config, layers, dtype)
+        # Tied embeddings share one Parameter; the checkpoint's lm_head.weight (if any) is ignored, as in HF.
+        tied = self.model.embed_tokens.weight if config.tie_word_embeddings else None
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype, shared_weight=tied)
+
+    @property
+    def kv_cache_spec(self) -> KVCacheSpec:
+        """Shape of the per-layer KV cache (see :mod:`pagoda.worker.attention` for the layout)."""
+        c = self.config
+        return KVCacheSpec(c.num_hidden_layers, c.num_key_value_heads, c.head_dim)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens] int64
+        positions: torch.Tensor,  # [num_tokens] int64
+        kv_caches: list[torch.Tensor],  # per layer: [2, num_blocks, block_size, num_kv_heads, head_dim]
+        attn_meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, hidden] after the final norm
+        """Run every layer over this step's tokens, writing their K/V into ``kv_caches``."""
+        assert len(kv_caches) == len(self.model.layers), (len(kv_caches), len(self.model.layers))
+        if not attn_meta.backend_state:
+            self.attn_backend.prepare(attn_meta)  # once per step, shared by all layers
+        hidden = self.model.embed_tokens(input_ids)  # [num_tokens, hidden]
+        cos, sin = self.model.rotary_emb(positions, hidden.dtype)  # each [num_tokens, head_dim]
+        for layer, kv_cache in zip(self.model.layers, kv_caches):
+            hidden = layer(hidden, cos, sin, kv_cache, attn_meta)
+        return self.model.norm(hidden)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [n, hidden] -> logits [n, vocab] float32 (the GEMM runs in the model dtype, as in HF)."""
+        return F.linear(hidden, self.lm_head.weight).float()
+
+    @torch.inference_mode()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy checkpoint tensors (HF names) into the parameters; return the parameter names filled.
+
+        Raises ValueError for unexpected names, shape mismatches and parameters the checkpoint
+        does not provide.
+        """
+        skip: Optional[set[str]] = {"lm_head.weight"} if self.config.tie_word_embeddings else None
+        return load_named_weights(self, weights, skip_names=skip)

@@ -1,0 +1,147 @@
+"""Sampling parameters of one request, validated on construction (ValueError for bad input)."""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+_EPS = 1e-5
+
+
+class RequestOutputKind(enum.Enum):
+    """What each incremental output of a request carries."""
+
+    CUMULATIVE = 0  # everything generated so far
+    DELTA = 1  # only what is new since the last output (streaming)
+    FINAL_ONLY = 2  # nothing until the request finishes
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How to pick tokens and when to stop, with vLLM's names and defaults.
+
+    ``temperature == 0`` means greedy. ``max_tokens=None`` means "up to the model's
+    maximum length". ``seed`` makes the request's random draws reproducible and independent
+    of what else is in the batch.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 (or -1) disables
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: Optional[int] = None
+    stop: Union[None, str, list[str]] = None
+    stop_token_ids: Optional[list[int]] = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    max_tokens: Optional[int] = 16
+    min_tokens: int = 0
+    logprobs: Optional[int] = None
+    prompt_logprobs: Optional[int] = None
+    logit_bias: Optional[dict[int, float]] = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # Normalised forms, derived in __post_init__.
+    stop_strings: list[str] = field(default_factory=list, init=False)
+    all_stop_token_ids: frozenset[int] = field(default_factory=frozenset, init=False)
+
+    def __post_init__(self) -> None:
+        if self.top_k == -1:
+            self.top_k = 0
+        if isinstance(self.stop, str):
+            self.stop_strings = [self.stop]
+        else:
+            _check(
+                self.stop is None or isinstance(self.stop, (list, tuple)), "stop must be a string or a list of strings."
+            )
+            self.stop_strings = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.logit_bias:
+            self.logit_bias = _parse_logit_bias(self.logit_bias)
+        self._validate()
+        self.all_stop_token_ids = frozenset(self.stop_token_ids)
+        if self.temperature < _EPS:
+            # Greedy: the filters cannot change the argmax; normalise them away.
+            self.temperature, self.top_p, self.top_k, self.min_p = 0.0, 1.0, 0, 0.0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def max_stop_string_len(self) -> int:
+        return max((len(s) for s in self.stop_strings), default=0)
+
+    def _validate(self) -> None:
+        _check(isinstance(self.n, int) and self.n >= 1, f"n must be at least 1, got {self.n}.")
+        _check(
+            math.isfinite(self.temperature) and self.temperature >= 0.0,
+            f"temperature must be a non-negative number, got {self.temperature}.",
+        )
+        _check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}.")
+        _check(
+            isinstance(self.top_k, int) and self.top_k >= 0,
+            f"top_k must be 0 or -1 (disabled) or a positive integer, got {self.top_k}.",
+        )
+        _check(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}.")
+        _check(
+            -2.0 <= self.presence_penalty <= 2.0, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}."
+        )
+        _check(
+            -2.0 <= self.frequency_penalty <= 2.0,
+            f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}.",
+        )
+        _check(self.repetition_penalty > 0.0, f"repetition_penalty must be positive, got {self.repetition_penalty}.")
+        _check(
+            self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
+            f"max_tokens must be at least 1, got {self.max_tokens}.",
+        )
+        _check(
+            isinstance(self.min_tokens, int) and self.min_tokens >= 0,
+            f"min_tokens must be non-negative, got {self.min_tokens}.",
+        )
+        _check(
+            self.max_tokens is None or self.min_tokens <= self.max_tokens,
+            f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens}).",
+        )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            _check(
+                value is None or (isinstance(value, int) and value >= 0), f"{name} must be non-negative, got {value}."
+            )
+        _check(all(isinstance(s, str) and s for s in self.stop_strings), "stop strings must be non-empty strings.")
+        _check(
+            all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+            "stop_token_ids must be non-negative integers.",
+        )
+        _check(self.seed is None or isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}.")
+        for token_id, bias in (self.logit_bias or {}).items():
+            _check(-100.0 <= bias <= 100.0, f"logit_bias for token {token_id} must be in [-100, 100], got {bias}.")
+
+
+def _parse_logit_bias(logit_bias: object) -> dict[int, float]:
+    """Token ids may arrive as strings (JSON object keys); biases must be finite numbers."""
+    _check(isinstance(logit_bias, dict), "logit_bias must be a mapping of token id to bias.")
+    parsed = {}
+    for key, value in logit_bias.items():  # type: ignore[attr-defined]
+        try:
+            token_id, bias = int(key), float(value)
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"logit_bias entries must map integer token ids to numbers, got {key!r}: {value!r}."
+            ) from None
+        _check(token_id >= 0, f"logit_bias token ids must be non-negative, got {token_id}.")
+        parsed[token_id] = bias
+    return parsed
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)

@@ -1,0 +1,80 @@
+"""Loading a model's tokenizer from its local directory and rendering chat prompts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional
+
+from transformers import AutoTokenizer
+
+_TOKENIZER_MODES = ("auto", "slow")
+
+
+def get_tokenizer(model_dir: str | Path, tokenizer_mode: str = "auto", trust_remote_code: bool = False) -> Any:
+    """Load the tokenizer stored in ``model_dir``; never touches the network.
+
+    ``tokenizer_mode="slow"`` asks for the Python tokenizer instead of the Rust one where the
+    model has both.
+    """
+    if tokenizer_mode not in _TOKENIZER_MODES:
+        raise ValueError(f"tokenizer_mode must be one of {', '.join(_TOKENIZER_MODES)}, got {tokenizer_mode!r}.")
+    path = Path(model_dir)
+    if not path.is_dir():
+        raise ValueError(f"model directory {str(path)!r} does not exist (tokenizers are only loaded from local files).")
+    return AutoTokenizer.from_pretrained(
+        path,
+        local_files_only=True,
+        trust_remote_code=trust_remote_code,
+        use_fast=tokenizer_mode == "auto",
+    )
+
+
+def apply_chat_template(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    chat_template: Optional[str] = None,
+    add_generation_prompt: bool = True,
+    tools: Optional[list[dict[str, Any]]] = None,
+) -> list[int]:
+    """Render ``messages`` with the chat template and tokenize the result.
+
+    ``chat_template`` overrides the tokenizer's own. Message content may be a string or a list
+    of ``{"type": "text", "text": ...}`` parts, which are joined. The rendered prompt already
+    holds any special tokens the template wants, so none are added when tokenizing.
+    """
+    if chat_template is None and not getattr(tokenizer, "chat_template", None):
+        raise ValueError("this model has no chat template; pass chat_template=... (a Jinja template string).")
+    prompt = tokenizer.apply_chat_template(
+        normalize_messages(messages),
+        chat_template=chat_template,
+        add_generation_prompt=add_generation_prompt,
+        tools=tools,
+        tokenize=False,
+    )
+    return tokenizer.encode(prompt, add_special_tokens=False)
+
+
+def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Check chat messages and flatten list-of-parts content into a string (ValueError if bad)."""
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts.")
+    normalized = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise ValueError(f"message {i} must be a dict with a string 'role', got {message!r}.")
+        normalized.append({**message, "content": _content_text(i, message.get("content"))})
+    return normalized
+
+
+def _content_text(index: int, content: Any) -> Optional[str]:
+    if content is None or isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ValueError(f"message {index}: content must be a string or a list of text parts, got {content!r}.")
+    texts = []
+    for part in content:
+        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise ValueError(f"message {index}: only text content parts are supported, got a {kind!r} part.")
+        texts.append(part["text"])
+    return "\n".join(texts)  # as vLLM joins text parts

@@ -1,0 +1,1 @@
+"""Turning a schedule into tensors: model runner, attention backends, sampler."""

@@ -1,0 +1,243 @@
+"""Attention over the paged KV cache: the metadata of one step and the backend interface.
+
+The model code calls :meth:`AttentionBackend.forward` and nothing else; which backend runs
+(torch on CPU, Triton on CUDA) is chosen once by the model runner. Per-step data that is the
+same for every layer (gather indices, masks) is built once by :meth:`AttentionBackend.prepare`
+and stored on the metadata object, which is passed explicitly through the forward call.
+
+KV cache layout, one tensor per layer: ``[2, num_blocks, block_size, num_kv_heads, head_dim]``
+(index 0 holds keys, 1 values). Token ``t`` of a request lives in slot
+``block_table[t // block_size] * block_size + t % block_size``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional, Protocol
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Everything attention needs to know about one flattened (varlen) batch.
+
+    Requests are laid out back to back: request ``i`` owns query tokens
+    ``query_start_loc[i]:query_start_loc[i + 1]`` and, after this step, has ``seq_lens[i]``
+    tokens of context in the cache (its cached prefix plus this step's tokens).
+    """
+
+    query_start_loc: list[int]  # [num_reqs + 1]
+    seq_lens: list[int]  # [num_reqs]
+    block_tables: torch.Tensor  # [num_reqs, max_num_blocks] int64, padded with 0
+    slot_mapping: torch.Tensor  # [num_tokens] int64
+    block_size: int
+    # Filled by AttentionBackend.prepare(); private to the backend that built it.
+    backend_state: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.seq_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.query_start_loc[-1]
+
+    def query_len(self, i: int) -> int:
+        return self.query_start_loc[i + 1] - self.query_start_loc[i]
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionLayerSpec:
+    """Per-layer constants of an attention layer."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scale: float
+    sliding_window: Optional[int] = None  # attend to at most this many most recent keys
+
+
+class AttentionBackend(Protocol):
+    """One interface for every device: write this step's K/V, then attend."""
+
+    name: str
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        """Precompute per-step state shared by all layers (called once per step)."""
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        meta: AttentionMetadata,
+        spec: AttentionLayerSpec,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        """Write k/v through the slot mapping, then attend causally over each request's context."""
+
+
+def token_positions(query_lens: torch.Tensor, seq_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Position of every query token in its sequence, and the index of its request.
+
+    query_lens, seq_lens: [num_reqs] int64. Returns (positions [num_tokens], req_index [num_tokens]).
+    """
+    req_index = torch.repeat_interleave(torch.arange(len(query_lens)), query_lens)
+    starts = torch.cumsum(query_lens, 0) - query_lens  # first flat index of each request
+    offsets = torch.arange(len(req_index)) - starts[req_index]
+    positions = (seq_lens - query_lens)[req_index] + offsets
+    return positions, req_index
+
+
+def build_metadata(
+    query_lens: list[int],
+    seq_lens: list[int],
+    block_tables: list[list[int]],
+    block_size: int,
+) -> AttentionMetadata:
+    """Build metadata from per-request query lengths, context lengths and block tables.
+
+    The query tokens of request ``i`` are its positions ``seq_lens[i] - query_lens[i]``
+    .. ``seq_lens[i] - 1``; their slots follow from the block table.
+    """
+    assert len(query_lens) == len(seq_lens) == len(block_tables)
+    for q_len, s_len, table in zip(query_lens, seq_lens, block_tables):
+        assert 0 < q_len <= s_len <= len(table) * block_size, (q_len, s_len, len(table))
+    max_blocks = max((len(t) for t in block_tables), default=0)
+    padded = [t + [0] * (max_blocks - len(t)) for t in block_tables]
+    tables = torch.tensor(padded, dtype=torch.int64).reshape(len(block_tables), max_blocks)
+    positions, req_index = token_positions(
+        torch.tensor(query_lens, dtype=torch.int64), torch.tensor(seq_lens, dtype=torch.int64)
+    )
+    slot_mapping = tables[req_index, positions // block_size] * block_size + positions % block_size
+    query_start_loc = [0]
+    for q_len in query_lens:
+        query_start_loc.append(query_start_loc[-1] + q_len)
+    return AttentionMetadata(
+        query_start_loc=query_start_loc,
+        seq_lens=list(seq_lens),
+        block_tables=tables,
+        slot_mapping=slot_mapping,
+        block_size=block_size,
+    )
+
+
+class TorchAttentionBackend:
+    """Paged attention in plain PyTorch (the CPU path and the reference for Triton kernels).
+
+    Decode requests (one query token) are batched into one padded SDPA call; each prefill
+    chunk runs its own SDPA over its gathered context with a causal mask offset by the cached
+    prefix. All of this step's K/V are written before any request attends, so a request may
+    read blocks another request of the same step is filling (prefix-cache hits in one step).
+    """
+
+    name = "torch"
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        bs = meta.block_size
+        decode_rows: list[int] = []
+        prefill_rows: list[int] = []
+        for i in range(meta.num_reqs):
+            (decode_rows if meta.query_len(i) == 1 else prefill_rows).append(i)
+        state = meta.backend_state
+        state["prefill_rows"] = prefill_rows
+        state["prefill_index"] = {}
+        for i in prefill_rows:
+            if meta.query_len(i) != meta.seq_lens[i]:  # a cached prefix must be gathered
+                state["prefill_index"][i] = _context_slots(meta.block_tables[i], meta.seq_lens[i], bs)
+        state["decode_rows"] = decode_rows
+        state["masks"] = {}
+        if decode_rows:
+            lens = torch.tensor([meta.seq_lens[i] for i in decode_rows], dtype=torch.int64)
+            max_len = int(lens.max())
+            pos = torch.arange(max_len, dtype=torch.int64)
+            tables = meta.block_tables[decode_rows]  # [num_decodes, max_blocks]
+            # index: [num_decodes, max_len] slot of each context position (padding -> slot 0)
+            index = tables.gather(1, (pos // bs).expand(len(decode_rows), -1)) * bs + pos % bs
+            valid = pos.unsqueeze(0) < lens.unsqueeze(1)
+            state["decode_index"] = torch.where(valid, index, 0)
+            state["decode_valid"] = valid
+            state["decode_lens"] = lens
+            state["decode_query_index"] = torch.tensor(
+                [meta.query_start_loc[i] for i in decode_rows], dtype=torch.int64
+            )
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        spec: AttentionLayerSpec,
+    ) -> torch.Tensor:
+        num_kv_heads, head_dim = spec.num_kv_heads, spec.head_dim
+        key_cache = kv_cache[0].view(-1, num_kv_heads, head_dim)
+        value_cache = kv_cache[1].view(-1, num_kv_heads, head_dim)
+        key_cache.index_copy_(0, meta.slot_mapping, k)
+        value_cache.index_copy_(0, meta.slot_mapping, v)
+
+        state = meta.backend_state
+        out = torch.empty_like(q)
+        for i in state["prefill_rows"]:
+            start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
+            index = state["prefill_index"].get(i)
+            if index is None:  # whole context is this chunk: use k/v directly
+                ctx_k, ctx_v = k[start:end], v[start:end]
+            else:
+                ctx_k, ctx_v = key_cache[index], value_cache[index]
+            mask = _prefill_mask(end - start, meta.seq_lens[i], spec.sliding_window)
+            out[start:end] = _sdpa(q[start:end].unsqueeze(0), ctx_k.unsqueeze(0), ctx_v.unsqueeze(0), mask, spec)[0]
+        if state["decode_rows"]:
+            index, valid = state["decode_index"], state["decode_valid"]
+            ctx_k, ctx_v = key_cache[index], value_cache[index]  # [num_decodes, max_len, kv_heads, dim]
+            mask = valid
+            if spec.sliding_window is not None:
+                mask = state["masks"].get(spec.sliding_window)
+                if mask is None:
+                    pos = torch.arange(valid.shape[1])
+                    first = (state["decode_lens"] - spec.sliding_window).unsqueeze(1)
+                    mask = valid & (pos.unsqueeze(0) >= first)
+                    state["masks"][spec.sliding_window] = mask
+            rows = state["decode_query_index"]
+            dec = _sdpa(q[rows].unsqueeze(1), ctx_k, ctx_v, mask[:, None, None, :], spec)
+            out[rows] = dec[:, 0]
+        return out
+
+
+def _context_slots(block_table: torch.Tensor, seq_len: int, block_size: int) -> torch.Tensor:
+    pos = torch.arange(seq_len, dtype=torch.int64)
+    return block_table[pos // block_size] * block_size + pos % block_size
+
+
+def _prefill_mask(q_len: int, seq_len: int, sliding_window: Optional[int]) -> Optional[torch.Tensor]:
+    """Boolean [q_len, seq_len] mask (True = attend), or None for a plain causal square."""
+    if q_len == seq_len and sliding_window is None:
+        return None
+    q_pos = torch.arange(seq_len - q_len, seq_len).unsqueeze(1)
+    k_pos = torch.arange(seq_len).unsqueeze(0)
+    mask = k_pos <= q_pos
+    if sliding_window is not None:
+        mask &= k_pos > q_pos - sliding_window
+    return mask
+
+
+def _sdpa(
+    q: torch.Tensor,  # [batch, q_len, num_heads, head_dim]
+    k: torch.Tensor,  # [batch, kv_len, num_kv_heads, head_dim]
+    v: torch.Tensor,
+    mask: Optional[torch.Tensor],
+    spec: AttentionLayerSpec,
+) -> torch.Tensor:  # [batch, q_len, num_heads, head_dim]
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        attn_mask=mask,
+        is_causal=mask is None,
+        scale=spec.scale,
+        enable_gqa=spec.num_heads != spec.num_kv_heads,
+    )
+    return out.transpose(1, 2)

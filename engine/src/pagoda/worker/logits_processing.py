@@ -1,0 +1,144 @@
+"""Per-row logit adjustments applied before a token is chosen, vectorised over the batch.
+
+Every function takes the logits of the whole batch (``[num_rows, vocab]``), works only on the
+rows that need it and returns a tensor that may be the input itself: callers must pass a
+tensor they own. Each row's result depends on that row's data alone, so a request gets the
+same logits whatever else shares its batch.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from pagoda.worker.sampler import SamplingRow
+
+
+def apply_logit_bias(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Add each row's ``logit_bias`` to its logits (in place)."""
+    row_idx: list[int] = []
+    token_idx: list[int] = []
+    biases: list[float] = []
+    for i, row in enumerate(rows):
+        for token_id, bias in (row.params.logit_bias or {}).items():
+            row_idx.append(i)
+            token_idx.append(token_id)
+            biases.append(bias)
+    if row_idx:
+        index = (_long(row_idx, logits.device), _long(token_idx, logits.device))
+        logits.index_put_(index, torch.tensor(biases, dtype=logits.dtype, device=logits.device), accumulate=True)
+    return logits
+
+
+def apply_min_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Forbid EOS and stop tokens (in place) for rows that have not yet produced ``min_tokens``."""
+    row_idx: list[int] = []
+    token_idx: list[int] = []
+    for i, row in enumerate(rows):
+        if len(row.output_token_ids) < row.params.min_tokens:
+            row_idx.extend(itertools.repeat(i, len(row.min_tokens_stop_ids)))
+            token_idx.extend(row.min_tokens_stop_ids)
+    if row_idx:
+        index = (_long(row_idx, logits.device), _long(token_idx, logits.device))
+        logits.index_put_(index, torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device))
+    return logits
+
+
+def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Apply repetition, presence and frequency penalties to the rows that ask for them.
+
+    Repetition penalty (HF/vLLM): over the tokens of prompt and output, positive logits are
+    divided by the penalty and negative ones multiplied. Presence and frequency penalties
+    (OpenAI): over output tokens only, ``logit -= presence * (count > 0) + frequency * count``.
+    """
+    vocab = logits.shape[1]
+    rep = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0]
+    if rep:
+        seen = _token_counts(
+            [itertools.chain(rows[i].prompt_token_ids, rows[i].output_token_ids) for i in rep], vocab, logits.device
+        )
+        penalty = _float([rows[i].params.repetition_penalty for i in rep], logits)[:, None]
+        sub = logits[_long(rep, logits.device)]
+        penalised = torch.where(sub > 0, sub / penalty, sub * penalty)
+        logits[_long(rep, logits.device)] = torch.where(seen > 0, penalised, sub)
+    additive = [i for i, r in enumerate(rows) if r.params.presence_penalty != 0.0 or r.params.frequency_penalty != 0.0]
+    if additive:
+        counts = _token_counts([rows[i].output_token_ids for i in additive], vocab, logits.device).to(logits.dtype)
+        presence = _float([rows[i].params.presence_penalty for i in additive], logits)[:, None]
+        frequency = _float([rows[i].params.frequency_penalty for i in additive], logits)[:, None]
+        index = _long(additive, logits.device)
+        logits[index] = logits[index] - presence * (counts > 0) - frequency * counts
+    return logits
+
+
+def apply_top_k(logits: torch.Tensor, top_k: list[int]) -> torch.Tensor:
+    """Keep the ``top_k[i]`` largest logits of row ``i`` (0 keeps all); ties at the cut-off are kept."""
+    vocab = logits.shape[1]
+    rows = [i for i, k in enumerate(top_k) if 0 < k < vocab]
+    if not rows:
+        return logits
+    index = _long(rows, logits.device)
+    ks = _long([top_k[i] for i in rows], logits.device)
+    sub = logits[index]
+    # The k-th largest value is exact whatever the largest k of the batch, so rows stay independent.
+    kth = sub.topk(int(ks.max()), dim=-1).values.gather(1, (ks - 1)[:, None])
+    logits[index] = sub.masked_fill(sub < kth, float("-inf"))
+    return logits
+
+
+def apply_top_p(logits: torch.Tensor, top_p: list[float]) -> torch.Tensor:
+    """Keep, per row, the smallest set of most likely tokens whose probability mass reaches ``top_p``."""
+    rows = [i for i, p in enumerate(top_p) if p < 1.0]
+    if not rows:
+        return logits
+    index = _long(rows, logits.device)
+    sub = logits[index]
+    sorted_probs, order = sub.softmax(dim=-1).sort(dim=-1, descending=True, stable=True)
+    # A token is in the nucleus when the mass of the more likely tokens is still short of top_p.
+    mass_before = torch.nn.functional.pad(sorted_probs.cumsum(dim=-1)[:, :-1], (1, 0))
+    drop_sorted = mass_before >= _float([top_p[i] for i in rows], logits)[:, None]
+    drop_sorted[:, 0] = False
+    drop = torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted)
+    logits[index] = sub.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def apply_min_p(logits: torch.Tensor, min_p: list[float]) -> torch.Tensor:
+    """Drop tokens whose probability is below ``min_p`` times that of the most likely token."""
+    rows = [i for i, p in enumerate(min_p) if p > 0.0]
+    if not rows:
+        return logits
+    index = _long(rows, logits.device)
+    sub = logits[index]
+    probs = sub.softmax(dim=-1)
+    threshold = probs.amax(dim=-1, keepdim=True) * _float([min_p[i] for i in rows], logits)[:, None]
+    logits[index] = sub.masked_fill(probs < threshold, float("-inf"))
+    return logits
+
+
+def _token_counts(seqs: Sequence[Sequence[int]] | list, vocab: int, device: torch.device) -> torch.Tensor:
+    """How often each token occurs in each sequence: ``[len(seqs), vocab]`` int32."""
+    lists = [list(s) for s in seqs]
+    lengths = torch.tensor([len(s) for s in lists], dtype=torch.long)
+    width = max(int(lengths.max()), 1)
+    # Pad with an extra column ``vocab`` that is sliced off afterwards.
+    padded = torch.full((len(lists), width), vocab, dtype=torch.long)
+    padded[torch.arange(width)[None, :] < lengths[:, None]] = torch.tensor(
+        list(itertools.chain.from_iterable(lists)), dtype=torch.long
+    )
+    padded = padded.to(device, non_blocking=True)
+    counts = torch.zeros((len(lists), vocab + 1), dtype=torch.int32, device=device)
+    counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=torch.int32))
+    return counts[:, :vocab]
+
+
+def _long(values: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)
+
+
+def _float(values: list[float], like: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(values, dtype=like.dtype).to(like.device, non_blocking=True)

@@ -1,0 +1,184 @@
+"""Turns a step's plan into tensors, runs one flattened forward, and samples."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pagoda.core.scheduler_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from pagoda.loader import load_model
+from pagoda.model_config import ModelConfig
+from pagoda.request import Request
+from pagoda.worker.attention import AttentionMetadata, TorchAttentionBackend, build_metadata, token_positions
+from pagoda.worker.kv_sizing import KVCacheShape
+from pagoda.worker.sampler import Sampler, SamplingRow, compute_prompt_logprobs
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class StepInputs:
+    """The tensors of one step plus where in the flat batch to read logits."""
+
+    input_ids: torch.Tensor  # [num_tokens]
+    positions: torch.Tensor  # [num_tokens]
+    meta: AttentionMetadata
+    sample_requests: list[Request]  # requests that sample after this step, in logits order
+    sample_indices: list[int]  # flat token index of each sampling request's last token
+    prompt_logprob_spans: list[tuple[Request, int, int]]  # (request, first flat index, count)
+
+
+class ModelRunner:
+    """Owns the model, the KV cache tensors, the attention backend and the sampler."""
+
+    def __init__(self, model_config: ModelConfig, model_path: Path, dtype: torch.dtype, device: torch.device) -> None:
+        self.model_config = model_config
+        self.dtype = dtype
+        self.device = device
+        self.attn_backend = TorchAttentionBackend()
+        self.model = load_model(model_path, self.attn_backend, dtype, device, model_config)
+        self.sampler = Sampler()
+        self.kv_caches: list[torch.Tensor] = []
+        self.kv_shape: KVCacheShape | None = None
+
+    def kv_cache_shape(self, block_size: int) -> KVCacheShape:
+        cfg = self.model_config
+        return KVCacheShape(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, block_size, self.dtype)
+
+    def allocate_kv_cache(self, shape: KVCacheShape, num_blocks: int) -> None:
+        """Create every layer's cache once; zeroed so padded reads never see NaN garbage."""
+        self.kv_shape = shape
+        self.kv_caches = [
+            torch.zeros(shape.layer_shape(num_blocks), dtype=self.dtype, device=self.device)
+            for _ in range(shape.num_layers)
+        ]
+
+    @torch.inference_mode()
+    def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
+        """Run the model over every scheduled token and sample where a sequence reaches its end."""
+        self._copy_blocks(plan.block_copies)
+        inputs = self._prepare_inputs(plan.scheduled)
+        self.attn_backend.prepare(inputs.meta)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        out = ModelRunnerOutput()
+        self._prompt_logprobs(hidden, inputs, out)
+        if not inputs.sample_requests:
+            return out
+        logits = self.model.compute_logits(hidden[inputs.sample_indices])  # [num_sampling_reqs, vocab]
+        rows: list[SamplingRow] = []
+        row_logits: list[int] = []
+        for i, request in enumerate(inputs.sample_requests):
+            for generator in _sequence_generators(request):
+                rows.append(_sampling_row(request, generator))
+                row_logits.append(i)
+        if len(row_logits) != logits.shape[0]:  # an n > 1 prompt samples n times from one row
+            logits = logits[row_logits]
+        sampled = self.sampler(logits, rows)
+        row = 0
+        for request in inputs.sample_requests:
+            count = len(_sequence_generators(request))
+            out.sampled_token_ids[request.request_id] = sampled.token_ids[row : row + count]
+            if request.sampling_params.logprobs is not None:
+                out.logprobs[request.request_id] = sampled.logprobs[row : row + count]
+            row += count
+        return out
+
+    def _prepare_inputs(self, scheduled: list[ScheduledRequest]) -> StepInputs:
+        token_ids: list[int] = []
+        query_lens: list[int] = []
+        seq_lens: list[int] = []
+        block_tables: list[list[int]] = []
+        sample_requests: list[Request] = []
+        sample_indices: list[int] = []
+        spans: list[tuple[Request, int, int]] = []
+        for item in scheduled:
+            request, start = item.request, item.request.num_computed_tokens
+            end = start + item.num_tokens
+            flat_start = len(token_ids)
+            token_ids.extend(request.all_token_ids[start:end])
+            query_lens.append(item.num_tokens)
+            seq_lens.append(end)
+            block_tables.append(item.block_ids)
+            if request.pending_prompt_logprobs:
+                # position p scores prompt token p + 1; the last prompt position samples instead
+                count = min(end, request.num_prompt_tokens - 1) - start
+                if count > 0:
+                    spans.append((request, flat_start, count))
+            if item.samples:
+                sample_requests.append(request)
+                sample_indices.append(len(token_ids) - 1)
+        meta = build_metadata(query_lens, seq_lens, block_tables, self.kv_shape.block_size)
+        positions, _ = token_positions(torch.tensor(query_lens), torch.tensor(seq_lens))
+        if self.device.type != "cpu":
+            meta.slot_mapping = meta.slot_mapping.to(self.device, non_blocking=True)
+            meta.block_tables = meta.block_tables.to(self.device, non_blocking=True)
+        return StepInputs(
+            input_ids=torch.tensor(token_ids, dtype=torch.int64, device=self.device),
+            positions=positions.to(self.device),
+            meta=meta,
+            sample_requests=sample_requests,
+            sample_indices=sample_indices,
+            prompt_logprob_spans=spans,
+        )
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, inputs: StepInputs, out: ModelRunnerOutput) -> None:
+        for request, flat_start, count in inputs.prompt_logprob_spans:
+            logits = self.model.compute_logits(hidden[flat_start : flat_start + count])
+            first = request.num_computed_tokens + 1  # the prompt token scored by the first row
+            targets = request.prompt_token_ids[first : first + count]
+            out.prompt_logprobs[request.request_id] = compute_prompt_logprobs(
+                logits, targets, request.sampling_params.prompt_logprobs
+            )
+
+    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        if not copies:
+            return
+        src = torch.tensor([c[0] for c in copies], device=self.device)
+        dst = torch.tensor([c[1] for c in copies], device=self.device)
+        for cache in self.kv_caches:  # [2, num_blocks, block_size, kv_heads, head_dim]
+            cache[:, dst] = cache[:, src]
+
+    @torch.inference_mode()
+    def profile_run(self, num_tokens: int) -> None:
+        """One forward over ``num_tokens`` dummy prompt tokens, to measure the activation peak.
+
+        Uses a scratch KV cache just big enough for it, so it runs before the real cache exists.
+        """
+        assert self.kv_shape is None, "profile before allocating the KV cache"
+        shape = self.kv_cache_shape(16)
+        num_blocks = -(-num_tokens // shape.block_size)
+        scratch = [
+            torch.zeros(shape.layer_shape(num_blocks), dtype=self.dtype, device=self.device)
+            for _ in range(shape.num_layers)
+        ]
+        meta = build_metadata([num_tokens], [num_tokens], [list(range(num_blocks))], shape.block_size)
+        meta.slot_mapping = meta.slot_mapping.to(self.device)
+        meta.block_tables = meta.block_tables.to(self.device)
+        self.attn_backend.prepare(meta)
+        input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
+        positions = torch.arange(num_tokens, device=self.device)
+        hidden = self.model(input_ids, positions, scratch, meta)
+        self.model.compute_logits(hidden[-1:])
+        del scratch, hidden
+
+
+def _sequence_generators(request: Request) -> list:
+    """One generator per sequence that samples from this request's logits row."""
+    if request.needs_fork:
+        return [request.generator, *(request.sibling_generators or [None] * (request.sampling_params.n - 1))]
+    return [request.generator]
+
+
+def _sampling_row(request: Request, generator) -> SamplingRow:
+    params = request.sampling_params
+    stop_ids = params.all_stop_token_ids if params.ignore_eos else params.all_stop_token_ids | request.eos_token_ids
+    return SamplingRow(
+        params=params,
+        generator=generator,
+        prompt_token_ids=request.prompt_token_ids,
+        output_token_ids=request.output_token_ids,
+        min_tokens_stop_ids=stop_ids,
+    )

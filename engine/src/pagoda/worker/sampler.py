@@ -1,0 +1,192 @@
+"""Choosing the next token of every sequence in a batch, and the logprobs reported with it.
+
+Semantics follow vLLM V1 / OpenAI. Logprobs are those of the model's raw logits (before any
+penalty, bias or temperature). The token is chosen from the processed logits, in this order:
+logit_bias, min_tokens masking, repetition penalty, presence/frequency penalties, then greedy
+argmax, or temperature, top_k, top_p, min_p and a random draw.
+
+Batch independence: a seeded row gets the same token whichever rows share its batch and at
+whatever index it sits. All tensor work is row-wise, and the only randomness is one uniform
+number per row drawn from that row's own generator, turned into a token by inverse CDF.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from pagoda.outputs import Logprob
+from pagoda.sampling_params import SamplingParams
+from pagoda.worker import logits_processing as processing
+
+# Prompt logprobs are computed this many positions at a time to bound the extra memory.
+_PROMPT_LOGPROBS_CHUNK = 512
+
+
+@dataclass(slots=True)
+class SamplingRow:
+    """What the sampler needs to know about one sequence of the batch."""
+
+    params: SamplingParams
+    # Per request (or per child of an n > 1 request); any device, CPU is cheapest since only
+    # one number per step is drawn from it. None falls back to torch's global generator, which
+    # is only right for greedy rows (it loses reproducibility and batch independence).
+    generator: Optional[torch.Generator]
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]  # tokens generated so far by this sequence
+    # EOS ids + stop_token_ids: forbidden while len(output_token_ids) < params.min_tokens.
+    min_tokens_stop_ids: frozenset[int]
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    """The chosen token of every row and, for rows that asked, its logprobs."""
+
+    token_ids: list[int]  # one per row
+    # Per row; None when params.logprobs is None. The sampled token first, then the top
+    # params.logprobs tokens in rank order. Ranks are 1-based among the whole vocabulary.
+    logprobs: list[Optional[dict[int, Logprob]]]
+
+
+class Sampler:
+    """Picks one token per row of a batch of logits; see the module docstring for semantics."""
+
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        """Sample from ``logits`` ``[num_rows, vocab]`` (float32, left unmodified)."""
+        assert logits.dim() == 2 and logits.shape[0] == len(rows), (tuple(logits.shape), len(rows))
+        processed = _process(logits, rows)
+        token_ids = _choose(processed, rows)
+        logprobs = _sampled_logprobs(logits, token_ids, rows)
+        return SamplerOutput(token_ids=token_ids.tolist(), logprobs=logprobs)
+
+
+def compute_prompt_logprobs(logits: torch.Tensor, next_token_ids: Sequence[int], k: int) -> list[dict[int, Logprob]]:
+    """Logprobs of a prompt's tokens from the logits ``[P, vocab]`` at the positions before them.
+
+    The entry of position ``i`` scores ``next_token_ids[i]`` (the actual next prompt token)
+    first, then the ``k`` most likely tokens in rank order.
+    """
+    assert logits.dim() == 2 and logits.shape[0] == len(next_token_ids), (tuple(logits.shape), len(next_token_ids))
+    ids = torch.tensor(list(next_token_ids), dtype=torch.long).to(logits.device)
+    result: list[dict[int, Logprob]] = []
+    for start in range(0, logits.shape[0], _PROMPT_LOGPROBS_CHUNK):
+        end = start + _PROMPT_LOGPROBS_CHUNK
+        result.extend(_logprob_entries(logits[start:end], ids[start:end], [k] * len(ids[start:end])))
+    return result
+
+
+def validate_for_vocab(params: SamplingParams, vocab_size: int) -> None:
+    """Reject (ValueError) token ids in ``params`` that the model's vocabulary does not have.
+
+    SamplingParams cannot check this alone; the engine calls it when a request arrives so a
+    bad request is refused instead of failing a whole batch in the sampler.
+    """
+    for name, ids in (("logit_bias", params.logit_bias or {}), ("stop_token_ids", params.stop_token_ids or [])):
+        bad = sorted(t for t in ids if not 0 <= t < vocab_size)
+        if bad:
+            raise ValueError(f"{name} has token ids outside the vocabulary (size {vocab_size}): {bad[:10]}.")
+
+
+def _process(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Apply bias, min_tokens and penalties; returns a new tensor when anything changes."""
+    if not any(_adjusts_logits(row) for row in rows):
+        return logits
+    out = logits.clone()
+    out = processing.apply_logit_bias(out, rows)
+    out = processing.apply_min_tokens(out, rows)
+    return processing.apply_penalties(out, rows)
+
+
+def _adjusts_logits(row: SamplingRow) -> bool:
+    p = row.params
+    return bool(
+        p.logit_bias
+        or p.repetition_penalty != 1.0
+        or p.presence_penalty != 0.0
+        or p.frequency_penalty != 0.0
+        or len(row.output_token_ids) < p.min_tokens
+    )
+
+
+def _choose(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """One token id per row: argmax for greedy rows, a seeded draw for the others."""
+    greedy = [i for i, r in enumerate(rows) if r.params.greedy]
+    if len(greedy) == len(rows):
+        return logits.argmax(dim=-1)
+    token_ids = torch.empty(len(rows), dtype=torch.long, device=logits.device)
+    if greedy:
+        index = _long(greedy, logits.device)
+        token_ids[index] = logits[index].argmax(dim=-1)
+    rand = [i for i, r in enumerate(rows) if not r.params.greedy]
+    params = [rows[i].params for i in rand]
+    index = _long(rand, logits.device)
+    temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype).to(logits.device)
+    sub = logits[index] / temperature[:, None]  # a fresh tensor, so the filters may work in place
+    sub = processing.apply_top_k(sub, [p.top_k for p in params])
+    sub = processing.apply_top_p(sub, [p.top_p for p in params])
+    sub = processing.apply_min_p(sub, [p.min_p for p in params])
+    token_ids[index] = _draw(sub, [rows[i].generator for i in rand])
+    return token_ids
+
+
+def _draw(logits: torch.Tensor, generators: list[Optional[torch.Generator]]) -> torch.Tensor:
+    """Sample one token per row by inverse CDF with one uniform number from the row's generator."""
+    cdf = logits.softmax(dim=-1).cumsum(dim=-1)
+    total = cdf[:, -1:]
+    u = _uniforms(generators, logits.device)[:, None]
+    # Stay strictly below the total so the search lands on a token with non-zero probability.
+    target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target, right=True).squeeze(1)
+
+
+def _uniforms(generators: list[Optional[torch.Generator]], device: torch.device) -> torch.Tensor:
+    """One U[0, 1) float32 per generator, gathered on ``device`` (one copy when they share a device)."""
+    draws = [
+        torch.rand(1, generator=g, device=g.device if g is not None else device, dtype=torch.float32)
+        for g in generators
+    ]
+    if all(d.device == draws[0].device for d in draws):
+        return torch.cat(draws).to(device)
+    return torch.cat([d.to(device) for d in draws])
+
+
+def _sampled_logprobs(
+    raw_logits: torch.Tensor, token_ids: torch.Tensor, rows: list[SamplingRow]
+) -> list[Optional[dict[int, Logprob]]]:
+    result: list[Optional[dict[int, Logprob]]] = [None] * len(rows)
+    wanted = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+    if not wanted:
+        return result
+    index = _long(wanted, raw_logits.device)
+    ks = [rows[i].params.logprobs for i in wanted]
+    for i, entry in zip(wanted, _logprob_entries(raw_logits[index], token_ids[index], ks)):
+        result[i] = entry
+    return result
+
+
+def _logprob_entries(logits: torch.Tensor, chosen: torch.Tensor, ks: list[int]) -> list[dict[int, Logprob]]:
+    """Per row: the chosen token's logprob and rank, then the top ``ks[row]`` tokens."""
+    logprobs = logits.float().log_softmax(dim=-1)
+    chosen_lp = logprobs.gather(1, chosen[:, None])
+    # Rank counts the tokens at least as likely as the chosen one (vLLM's convention for ties).
+    ranks = (logprobs >= chosen_lp).sum(dim=-1)
+    max_k = min(max(ks, default=0), logprobs.shape[1])
+    top_vals: list[list[float]] = [[] for _ in ks]
+    top_ids: list[list[int]] = [[] for _ in ks]
+    if max_k > 0:
+        top = logprobs.topk(max_k, dim=-1)
+        top_vals, top_ids = top.values.tolist(), top.indices.tolist()
+    entries = []
+    for row, (token, value, rank) in enumerate(zip(chosen.tolist(), chosen_lp[:, 0].tolist(), ranks.tolist())):
+        entry = {token: Logprob(logprob=value, rank=rank)}
+        for j in range(min(ks[row], max_k)):
+            entry.setdefault(top_ids[row][j], Logprob(logprob=top_vals[row][j], rank=j + 1))
+        entries.append(entry)
+    return entries
+
+
+def _long(values: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)
