@@ -231,6 +231,12 @@ def _sdpa(
     mask: Optional[torch.Tensor],
     spec: AttentionLayerSpec,
 ) -> torch.Tensor:  # [batch, q_len, num_heads, head_dim]
+    group = spec.num_heads // spec.num_kv_heads
+    if group > 1 and mask is not None:
+        # SDPA's CPU kernels take a slow path for GQA with an explicit mask (~8x here):
+        # repeating the KV heads is cheaper than that at these sizes.
+        k = k.repeat_interleave(group, dim=2)
+        v = v.repeat_interleave(group, dim=2)
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2),
         k.transpose(1, 2),
@@ -238,6 +244,6 @@ def _sdpa(
         attn_mask=mask,
         is_causal=mask is None,
         scale=spec.scale,
-        enable_gqa=spec.num_heads != spec.num_kv_heads,
+        enable_gqa=group > 1 and mask is None,
     )
     return out.transpose(1, 2)
