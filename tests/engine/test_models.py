@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from tiny_checkpoints import ARCHES, TinyCheckpoints, session_checkpoints
+from tiny_checkpoints import ARCHES, TinyCheckpoints
 from transformers import AutoModelForCausalLM
 
 from pagoda.loader import load_model
@@ -105,11 +105,6 @@ def hf_greedy(model: Any, prompt: list[int], max_new_tokens: int) -> list[int]:
 def random_prompt(length: int, seed: int) -> list[int]:
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(3, 256, (length,), generator=gen).tolist()
-
-
-@pytest.fixture(scope="session")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> TinyCheckpoints:
-    return session_checkpoints(tmp_path_factory)
 
 
 # --- stories260K: a real trained model ------------------------------------------------------------

@@ -25,8 +25,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "model", nargs="?", default=None, help="local HF model directory (default: built-in stories260K)"
     )
     parser.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "float", "bfloat16", "float16", "half"])
-    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "float", "bfloat16", "float16", "half"],
+        help="weights and activations; auto: the checkpoint's dtype",
+    )
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: CUDA when available")
     parser.add_argument("--max-model-len", type=int, default=None, help="default: the model's max_position_embeddings")
     parser.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help="tokens per KV block")
     parser.add_argument(
@@ -34,21 +39,38 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="CPU KV cache budget, e.g. 2GiB (default: 4GiB, or less if max-num-seqs full sequences need less)",
     )
-    parser.add_argument("--gpu-memory-utilization", type=float, default=DEFAULT_GPU_MEMORY_UTILIZATION)
-    parser.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS)
+    parser.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=DEFAULT_GPU_MEMORY_UTILIZATION,
+        help="fraction of GPU memory for weights, activations and KV cache",
+    )
+    parser.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS, help="sequences per step")
     parser.add_argument(
         "--max-num-batched-tokens",
         type=int,
         default=None,
         help=f"token budget per step (default: {DEFAULT_MAX_NUM_BATCHED_TOKENS} with chunked prefill)",
     )
-    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    parser.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True, help="reuse cached KV blocks"
+    )
+    parser.add_argument(
+        "--enable-chunked-prefill",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="split long prompts over steps so decodes keep flowing",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seeds the engine's RNG (unseeded requests)")
     parser.add_argument("--chat-template", default=None, help="a Jinja chat template (file path or inline)")
-    parser.add_argument("--generation-config", default="auto", choices=["auto", "vllm"])
-    parser.add_argument("--attention-backend", default="auto", choices=["auto", "torch"])
-    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser.add_argument(
+        "--generation-config",
+        default="auto",
+        choices=["auto", "vllm"],
+        help="auto: the model's generation_config.json sets default sampling params; vllm: ignore it",
+    )
+    parser.add_argument("--attention-backend", default="auto", choices=["auto", "torch"], help="attention kernels")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log level")
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
@@ -134,10 +156,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_engine_args(gen)
     gen.add_argument("--prompt", action="append", help="a prompt (repeatable; default: 'Once upon a time')")
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--max-tokens", type=int, default=64, help="tokens to generate per sequence")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    gen.add_argument("--top-k", type=int, default=0, help="0 disables")
     gen.add_argument("-n", type=int, default=1, help="sequences per prompt")
     gen.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed")
     gen.add_argument("--json", action="store_true", help="print one JSON object per completion")

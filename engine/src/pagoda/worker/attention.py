@@ -137,6 +137,7 @@ class TorchAttentionBackend:
 
     def prepare(self, meta: AttentionMetadata) -> None:
         bs = meta.block_size
+        device = meta.block_tables.device
         decode_rows: list[int] = []
         prefill_rows: list[int] = []
         for i in range(meta.num_reqs):
@@ -148,11 +149,11 @@ class TorchAttentionBackend:
             if meta.query_len(i) != meta.seq_lens[i]:  # a cached prefix must be gathered
                 state["prefill_index"][i] = _context_slots(meta.block_tables[i], meta.seq_lens[i], bs)
         state["decode_rows"] = decode_rows
-        state["masks"] = {}
+        state["masks"] = {}  # built on first use by a layer, then shared by all layers
         if decode_rows:
-            lens = torch.tensor([meta.seq_lens[i] for i in decode_rows], dtype=torch.int64)
+            lens = torch.tensor([meta.seq_lens[i] for i in decode_rows], dtype=torch.int64, device=device)
             max_len = int(lens.max())
-            pos = torch.arange(max_len, dtype=torch.int64)
+            pos = torch.arange(max_len, dtype=torch.int64, device=device)
             tables = meta.block_tables[decode_rows]  # [num_decodes, max_blocks]
             # index: [num_decodes, max_len] slot of each context position (padding -> slot 0)
             index = tables.gather(1, (pos // bs).expand(len(decode_rows), -1)) * bs + pos % bs
@@ -161,7 +162,7 @@ class TorchAttentionBackend:
             state["decode_valid"] = valid
             state["decode_lens"] = lens
             state["decode_query_index"] = torch.tensor(
-                [meta.query_start_loc[i] for i in decode_rows], dtype=torch.int64
+                [meta.query_start_loc[i] for i in decode_rows], dtype=torch.int64, device=device
             )
 
     def forward(
@@ -188,7 +189,10 @@ class TorchAttentionBackend:
                 ctx_k, ctx_v = k[start:end], v[start:end]
             else:
                 ctx_k, ctx_v = key_cache[index], value_cache[index]
-            mask = _prefill_mask(end - start, meta.seq_lens[i], spec.sliding_window)
+            key = (i, spec.sliding_window)
+            if key not in state["masks"]:
+                state["masks"][key] = _prefill_mask(end - start, meta.seq_lens[i], spec.sliding_window, q.device)
+            mask = state["masks"][key]
             out[start:end] = _sdpa(q[start:end].unsqueeze(0), ctx_k.unsqueeze(0), ctx_v.unsqueeze(0), mask, spec)[0]
         if state["decode_rows"]:
             index, valid = state["decode_index"], state["decode_valid"]
@@ -197,7 +201,7 @@ class TorchAttentionBackend:
             if spec.sliding_window is not None:
                 mask = state["masks"].get(spec.sliding_window)
                 if mask is None:
-                    pos = torch.arange(valid.shape[1])
+                    pos = torch.arange(valid.shape[1], device=valid.device)
                     first = (state["decode_lens"] - spec.sliding_window).unsqueeze(1)
                     mask = valid & (pos.unsqueeze(0) >= first)
                     state["masks"][spec.sliding_window] = mask
@@ -208,16 +212,18 @@ class TorchAttentionBackend:
 
 
 def _context_slots(block_table: torch.Tensor, seq_len: int, block_size: int) -> torch.Tensor:
-    pos = torch.arange(seq_len, dtype=torch.int64)
+    pos = torch.arange(seq_len, dtype=torch.int64, device=block_table.device)
     return block_table[pos // block_size] * block_size + pos % block_size
 
 
-def _prefill_mask(q_len: int, seq_len: int, sliding_window: Optional[int]) -> Optional[torch.Tensor]:
+def _prefill_mask(
+    q_len: int, seq_len: int, sliding_window: Optional[int], device: torch.device
+) -> Optional[torch.Tensor]:
     """Boolean [q_len, seq_len] mask (True = attend), or None for a plain causal square."""
     if q_len == seq_len and sliding_window is None:
         return None
-    q_pos = torch.arange(seq_len - q_len, seq_len).unsqueeze(1)
-    k_pos = torch.arange(seq_len).unsqueeze(0)
+    q_pos = torch.arange(seq_len - q_len, seq_len, device=device).unsqueeze(1)
+    k_pos = torch.arange(seq_len, device=device).unsqueeze(0)
     mask = k_pos <= q_pos
     if sliding_window is not None:
         mask &= k_pos > q_pos - sliding_window
