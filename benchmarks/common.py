@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import platform
 import random
+import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -94,9 +95,14 @@ def ensure_qwen3_shape_checkpoint(model_dir: Path) -> Path:
     config = Qwen3Config(**QWEN3_SHAPE)
     torch.manual_seed(0)
     model = Qwen3ForCausalLM._from_config(config, dtype=torch.bfloat16)  # init: normal(std=0.02)
-    model_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(model_dir, safe_serialization=True)
-    _save_word_tokenizer(model_dir, config.vocab_size)
+    # Written aside and renamed, so an interrupted build is never mistaken for a finished one.
+    partial = model_dir.with_name(model_dir.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    model.save_pretrained(partial, safe_serialization=True)
+    _save_word_tokenizer(partial, config.vocab_size)
+    shutil.rmtree(model_dir, ignore_errors=True)
+    partial.rename(model_dir)
     log(f"checkpoint written ({sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters)")
     return model_dir
 

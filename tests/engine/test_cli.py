@@ -4,6 +4,10 @@ import json
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.slow  # starts real processes
+
 
 def run_pagoda(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(

@@ -8,6 +8,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from pagoda import LLM, SamplingParams
 from pagoda.config import builtin_model_path
 
+pytestmark = pytest.mark.slow
+
 MAX_TOKENS = 48
 MAX_MODEL_LEN = 256
 # A shared story opening (100+ tokens) so prefix caching has something to find.

@@ -194,3 +194,16 @@ def test_startup_fails_clearly_when_one_max_length_sequence_does_not_fit():
 def test_unknown_model_path_is_a_clear_error():
     with pytest.raises(ValueError, match="not a local directory"):
         LLM(model="/nonexistent/model")
+
+
+def test_prompt_logprobs_are_the_same_when_the_prompt_is_chunked(llm):
+    prompt = [1, 403, 407, 261, 378, 432, 383, 286, 261, 376, 298, 315, 421]
+    params = greedy(2, prompt_logprobs=1)
+    (whole,) = llm.generate([prompt], params, use_tqdm=False)
+    chunked_llm = LLM(max_model_len=256, max_num_batched_tokens=4)
+    (chunked,) = chunked_llm.generate([prompt], params, use_tqdm=False)
+    assert chunked_llm.engine.get_stats().num_chunked_prefill_steps > 0
+    assert len(chunked.prompt_logprobs) == len(prompt)
+    for a, b in zip(whole.prompt_logprobs[1:], chunked.prompt_logprobs[1:]):
+        assert a.keys() == b.keys()
+        assert all(a[t].logprob == pytest.approx(b[t].logprob, abs=1e-5) for t in a)

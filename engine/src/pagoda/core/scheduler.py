@@ -76,7 +76,10 @@ class Scheduler:
         self.pending_block_copies = []
         scheduled: dict[str, ScheduledRequest] = {}
         budget = self.config.max_num_batched_tokens
-        for request in list(self.running):
+        # Decodes go before prefill chunks so a long prompt never starves them of the budget.
+        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        chunks = [r for r in self.running if r.num_tokens - r.num_computed_tokens != 1]
+        for request in decodes + chunks:
             if request.status != RequestStatus.RUNNING or budget == 0:
                 continue  # preempted earlier in this loop, or the budget is spent
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
@@ -133,6 +136,8 @@ class Scheduler:
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        if request.pending_prompt_logprobs:  # recomputed from the start, so collected again
+            request.prompt_logprobs = [None]
         request.num_preemptions += 1
         self.num_preemptions_total += 1
         self.waiting.appendleft(request)
