@@ -1,5 +1,5 @@
 """Shared pieces of the offline benchmarks: workloads, the Qwen3-shaped checkpoint, the
-transformers baselines, machine facts and table formatting."""
+transformers baselines, machine facts, and the rows of the final table."""
 
 from __future__ import annotations
 
@@ -245,3 +245,116 @@ def format_table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
 
     body = [rule if not any(r) else line(r) for r in rows]
     return "\n".join([line(header), rule, *body])
+
+
+# ---- table rows from the results dict -----------------------------------------------------
+
+
+def report_rows(key: str, r: dict) -> list[tuple[str, ...]]:
+    """The table rows of one model's results."""
+    w, p = r["workload"], r["pagoda"]
+    lo, hi = w["prompt_len_range"]
+    olo, ohi = w["output_len_range"]
+    outputs = str(olo) if olo == ohi else f"{olo}-{ohi}"
+    rows = [
+        (key, "model", r["label"], f"dtype {r['dtype']}"),
+        (key, "workload", f"{w['prompts']} prompts", f"prompt {lo}-{hi} tok, output {outputs} tok, ignore_eos"),
+        (key, "engine", f"{p['num_blocks']} KV blocks", _engine_detail(r)),
+        (
+            key,
+            "Pagoda output tok/s",
+            f"{p['output_tokens_per_s']:.1f}",
+            f"{p['output_tokens']} tok in {p['seconds']:.1f} s",
+        ),
+        (key, "Pagoda total tok/s", f"{p['total_tokens_per_s']:.1f}", f"+ {p['prompt_tokens']} prompt tok"),
+        (
+            key,
+            "Pagoda TTFT mean/p50/p99",
+            _secs(p["ttft_mean_s"], p["ttft_p50_s"], p["ttft_p99_s"]),
+            "all submitted at t=0",
+        ),
+        (key, "Pagoda preemptions", str(p["preemptions"]), ""),
+        (key, "Pagoda prefix-cache hits", f"{p['prefix_cache_hits']} tok", f"of {p['prefix_cache_queries']} looked up"),
+    ]
+    if "hf_sequential" in r:
+        rows += _baseline_rows(key, r)
+    if "prefix_cache" in r:
+        rows += _prefix_rows(key, r["prefix_cache"])
+    if "kv_waste" in r:
+        k = r["kv_waste"]
+        rows += [
+            (key, "KV waste mean", f"{k['waste_mean']:.1%}", f"1 - used/allocated slots, over {k['steps']} steps"),
+            (key, "KV waste max", f"{k['waste_max']:.1%}", "worst single step"),
+            (
+                key,
+                "KV waste bound",
+                f"{k['waste_bound']:.1%}",
+                f"(block_size-1) / {k['mean_tokens_per_running_seq']:.0f} mean tok per running seq",
+            ),
+            (key, "KV pool peak usage", f"{k['peak_kv_pool_usage']:.1%}", "of all blocks"),
+        ]
+    return rows
+
+
+def _engine_detail(r: dict) -> str:
+    e, p = r["engine"], r["pagoda"]
+    return f"block {p['block_size']}, max_num_seqs {e['max_num_seqs']}, batched tokens {e['max_num_batched_tokens']}"
+
+
+def _secs(*values: float) -> str:
+    return " / ".join(f"{v * 1e3:.1f} ms" if v < 1 else f"{v:.2f} s" for v in values)
+
+
+def _baseline_rows(key: str, r: dict) -> list[tuple[str, ...]]:
+    p, seq, static, agree = r["pagoda"], r["hf_sequential"], r["hf_static"], r["greedy_agreement"]
+    pad_note = f"{static['generated_tokens']} generated incl. padding to batch max"
+    return [
+        (key, "HF sequential tok/s", f"{seq['output_tokens_per_s']:.1f}", f"subset: first {seq['prompts']} prompts"),
+        (key, "  Pagoda / HF sequential", f"{p['output_tokens_per_s'] / seq['output_tokens_per_s']:.1f}x", ""),
+        (
+            key,
+            f"HF static batch {static['batch_size']} tok/s",
+            f"{static['output_tokens_per_s']:.1f}",
+            f"{static['prompts']} prompts, left-padded; {pad_note}",
+        ),
+        (key, "  Pagoda / HF static", f"{p['output_tokens_per_s'] / static['output_tokens_per_s']:.1f}x", ""),
+        (
+            key,
+            "greedy match vs HF",
+            f"{agree['identical']}/{agree['prompts']} identical",
+            f"{agree['same_first_token']}/{agree['prompts']} same first token (sequential subset)",
+        ),
+    ]
+
+
+def _prefix_rows(key: str, c: dict) -> list[tuple[str, ...]]:
+    shape = f"{c['prefix_len']}-tok shared prefix + {c['suffix_len']}-tok suffix, one at a time"
+    if c["capped"]:
+        shape += f" (prefix capped: model has {c['max_positions']} positions)"
+    on, off = c["on"], c["off"]
+    rate = on["prefix_cache_hits"] / max(on["prefix_cache_queries"], 1)
+    return [
+        (key, "prefix: TTFT req 2..N, cache off", _secs(off["ttft_rest_mean_s"]), f"{c['requests']} requests, {shape}"),
+        (
+            key,
+            "prefix: TTFT req 2..N, cache on",
+            _secs(on["ttft_rest_mean_s"]),
+            f"first (cold) request {_secs(on['ttft_first_s'])}",
+        ),
+        (key, "  cache off / on", f"{c['ttft_speedup']:.1f}x", ""),
+        (
+            key,
+            "prefix: cache hits",
+            f"{on['prefix_cache_hits']}/{on['prefix_cache_queries']} tok",
+            f"{rate:.0%} of looked-up tokens; {on['cached_tokens_rest_mean']:.0f} cached per later request",
+        ),
+    ]
+
+
+def machine_rows(facts: dict) -> list[tuple[str, ...]]:
+    load = f"1-min load avg {facts['load_avg_1m_start']} at start, {facts['load_avg_1m_end']} at end"
+    return [
+        ("machine", "cpu", f"{facts['cpu']} x{facts['cpus']}", facts["cuda"] or "no GPU"),
+        ("machine", "torch", facts["torch"], f"{facts['torch_threads']} threads; transformers {facts['transformers']}"),
+        ("machine", "load", "", load),
+    ]

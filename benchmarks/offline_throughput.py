@@ -32,14 +32,17 @@ from common import (  # noqa: E402 (the benchmarks folder is not a package)
     load_hf_model,
     log,
     machine_facts,
+    machine_rows,
     make_workload,
     mean,
     percentile,
     random_tokens,
+    report_rows,
 )
 from pagoda import LLM, RequestOutputKind, SamplingParams  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+PREFIX_LEN = 2000  # the shared prefix the issue asks for; less where the model has fewer positions
 PREFIX_SUFFIX_LEN = 16
 PREFIX_OUTPUT_LEN = 8
 WARMUP_PROMPTS = 4
@@ -57,6 +60,7 @@ class ModelSpec:
     prompt_range: tuple[int, int]
     output_range: tuple[int, int]
     sequential_prompts: int  # default size of the transformers sequential subset
+    static_prompts: Optional[int]  # default size of the static-batch subset (None: all)
     prefix_len: int  # shared prefix of the prefix-cache measurement (bounded by max positions)
 
     @property
@@ -75,7 +79,9 @@ class ModelSpec:
 
 def model_specs(bench_dir: Path) -> dict[str, ModelSpec]:
     return {
-        "stories": ModelSpec("stories", "stories260K (fp32)", None, torch.float32, 512, (16, 64), (64, 128), 64, 400),
+        "stories": ModelSpec(
+            "stories", "stories260K (fp32)", None, torch.float32, 512, (16, 64), (64, 128), 64, None, 400
+        ),
         "qwen3": ModelSpec(
             "qwen3",
             "Qwen3-0.6B shape, random bf16",
@@ -85,7 +91,8 @@ def model_specs(bench_dir: Path) -> dict[str, ModelSpec]:
             (32, 128),
             (32, 32),
             16,
-            2000,
+            64,
+            PREFIX_LEN,
         ),
     }
 
@@ -169,7 +176,13 @@ def prefix_cache_effect(spec: ModelSpec, num_requests: int, seed: int) -> dict:
     prefix = random_tokens(seed + 2, spec.prefix_len, spec.vocab_size)
     prompts = [prefix + random_tokens(seed + 100 + i, PREFIX_SUFFIX_LEN, spec.vocab_size) for i in range(num_requests)]
     max_model_len = spec.prefix_len + PREFIX_SUFFIX_LEN + PREFIX_OUTPUT_LEN
-    result: dict = {"prefix_len": spec.prefix_len, "suffix_len": PREFIX_SUFFIX_LEN, "requests": num_requests}
+    result: dict = {
+        "prefix_len": spec.prefix_len,
+        "suffix_len": PREFIX_SUFFIX_LEN,
+        "output_len": PREFIX_OUTPUT_LEN,
+        "requests": num_requests,
+        "capped": spec.prefix_len < PREFIX_LEN,
+    }
     for caching in (False, True):
         name = "on" if caching else "off"
         log(f"  prefix cache {name}: {num_requests} requests of {spec.prefix_len}+{PREFIX_SUFFIX_LEN} tokens")
@@ -181,6 +194,7 @@ def prefix_cache_effect(spec: ModelSpec, num_requests: int, seed: int) -> dict:
             enable_prefix_caching=caching,
         )
         llm.generate(random_tokens(seed + 3, 32, spec.vocab_size), greedy(2), use_tqdm=False)  # warm-up
+        result["max_positions"] = llm.engine.model_config.max_position_embeddings
         before = llm.engine.get_stats()
         ttft, cached = [], []
         for prompt in prompts:
@@ -251,7 +265,7 @@ def transformers_baselines(spec: ModelSpec, workload: Workload, pagoda_tokens: l
     seq = hf_sequential(model, workload.head(sequential_count))
     same = sum(a == b for a, b in zip(seq.outputs, pagoda_tokens))
     same_first = sum(a[:1] == b[:1] for a, b in zip(seq.outputs, pagoda_tokens))
-    static_count = min(args.static_prompts or len(workload.prompts), len(workload.prompts))
+    static_count = min(args.static_prompts or spec.static_prompts or len(workload.prompts), len(workload.prompts))
     log(f"[{spec.key}] transformers static batches of {args.hf_batch_size}: {static_count} prompts")
     static = hf_static_batches(model, workload.head(static_count), args.hf_batch_size)
     del model
@@ -273,116 +287,6 @@ def _baseline_dict(result) -> dict:
     }
 
 
-# ---- report ---------------------------------------------------------------------------------
-
-
-def report_rows(key: str, r: dict) -> list[tuple[str, ...]]:
-    """The table rows of one model's results."""
-    w, p = r["workload"], r["pagoda"]
-    lo, hi = w["prompt_len_range"]
-    olo, ohi = w["output_len_range"]
-    rows = [
-        (key, "model", r["label"], f"dtype {r['dtype']}"),
-        (key, "workload", f"{w['prompts']} prompts", f"prompt {lo}-{hi} tok, output {olo}-{ohi} tok, ignore_eos"),
-        (key, "engine", f"{p['num_blocks']} KV blocks", _engine_detail(r)),
-        (
-            key,
-            "Pagoda output tok/s",
-            f"{p['output_tokens_per_s']:.1f}",
-            f"{p['output_tokens']} tok in {p['seconds']:.1f} s",
-        ),
-        (key, "Pagoda total tok/s", f"{p['total_tokens_per_s']:.1f}", f"+ {p['prompt_tokens']} prompt tok"),
-        (
-            key,
-            "Pagoda TTFT mean/p50/p99",
-            _secs(p["ttft_mean_s"], p["ttft_p50_s"], p["ttft_p99_s"]),
-            "all submitted at t=0",
-        ),
-        (key, "Pagoda preemptions", str(p["preemptions"]), ""),
-        (key, "Pagoda prefix-cache hits", f"{p['prefix_cache_hits']} tok", f"of {p['prefix_cache_queries']} looked up"),
-    ]
-    if "hf_sequential" in r:
-        rows += _baseline_rows(key, r)
-    if "prefix_cache" in r:
-        rows += _prefix_rows(key, r["prefix_cache"])
-    if "kv_waste" in r:
-        k = r["kv_waste"]
-        rows += [
-            (key, "KV waste mean", f"{k['waste_mean']:.1%}", f"1 - used/allocated slots, over {k['steps']} steps"),
-            (key, "KV waste max", f"{k['waste_max']:.1%}", "worst single step"),
-            (
-                key,
-                "KV waste bound",
-                f"{k['waste_bound']:.1%}",
-                f"(block_size-1)/{k['mean_tokens_per_running_seq']:.0f} tok/seq",
-            ),
-            (key, "KV pool peak usage", f"{k['peak_kv_pool_usage']:.1%}", "of all blocks"),
-        ]
-    return rows
-
-
-def _engine_detail(r: dict) -> str:
-    e, p = r["engine"], r["pagoda"]
-    return f"block {p['block_size']}, max_num_seqs {e['max_num_seqs']}, batched tokens {e['max_num_batched_tokens']}"
-
-
-def _secs(*values: float) -> str:
-    return " / ".join(f"{v:.2f}" for v in values) + " s"
-
-
-def _baseline_rows(key: str, r: dict) -> list[tuple[str, ...]]:
-    p, seq, static, agree = r["pagoda"], r["hf_sequential"], r["hf_static"], r["greedy_agreement"]
-    pad_note = f"{static['generated_tokens']} generated incl. padding to batch max"
-    return [
-        (key, "HF sequential tok/s", f"{seq['output_tokens_per_s']:.1f}", f"subset: first {seq['prompts']} prompts"),
-        (key, "  Pagoda / HF sequential", f"{p['output_tokens_per_s'] / seq['output_tokens_per_s']:.1f}x", ""),
-        (
-            key,
-            f"HF static batch {static['batch_size']} tok/s",
-            f"{static['output_tokens_per_s']:.1f}",
-            f"{static['prompts']} prompts, left-padded; {pad_note}",
-        ),
-        (key, "  Pagoda / HF static", f"{p['output_tokens_per_s'] / static['output_tokens_per_s']:.1f}x", ""),
-        (
-            key,
-            "greedy match vs HF",
-            f"{agree['identical']}/{agree['prompts']} identical",
-            f"{agree['same_first_token']}/{agree['prompts']} same first token (sequential subset)",
-        ),
-    ]
-
-
-def _prefix_rows(key: str, c: dict) -> list[tuple[str, ...]]:
-    shape = f"{c['prefix_len']}-tok shared prefix + {c['suffix_len']}-tok suffix, one at a time"
-    on, off = c["on"], c["off"]
-    rate = on["prefix_cache_hits"] / max(on["prefix_cache_queries"], 1)
-    return [
-        (key, "prefix: TTFT req 2..N, cache off", _secs(off["ttft_rest_mean_s"]), f"{c['requests']} requests, {shape}"),
-        (
-            key,
-            "prefix: TTFT req 2..N, cache on",
-            _secs(on["ttft_rest_mean_s"]),
-            f"first (cold) request {on['ttft_first_s']:.2f} s",
-        ),
-        (key, "  cache off / on", f"{c['ttft_speedup']:.1f}x", ""),
-        (
-            key,
-            "prefix: cache hits",
-            f"{on['prefix_cache_hits']}/{on['prefix_cache_queries']} tok",
-            f"{rate:.0%} of looked-up tokens; {on['cached_tokens_rest_mean']:.0f} cached per later request",
-        ),
-    ]
-
-
-def machine_rows(facts: dict) -> list[tuple[str, ...]]:
-    load = f"1-min load avg {facts['load_avg_1m_start']} at start, {facts['load_avg_1m_end']} at end"
-    return [
-        ("machine", "cpu", f"{facts['cpu']} x{facts['cpus']}", facts["cuda"] or "no GPU"),
-        ("machine", "torch", facts["torch"], f"{facts['torch_threads']} threads; transformers {facts['transformers']}"),
-        ("machine", "load", "", load),
-    ]
-
-
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default="stories,qwen3", help="comma-separated: stories, qwen3")
@@ -390,7 +294,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--output-len", type=int, help="fixed output length for every model (default: per model)")
     parser.add_argument("--skip-transformers", action="store_true", help="skip the transformers baselines")
     parser.add_argument("--sequential-prompts", type=int, help="transformers sequential subset (default 64 / 16)")
-    parser.add_argument("--static-prompts", type=int, help="transformers static-batch subset (default: all)")
+    parser.add_argument("--static-prompts", type=int, help="transformers static-batch subset (default all / 64)")
     parser.add_argument("--hf-batch-size", type=int, default=32)
     parser.add_argument("--prefix-requests", type=int, default=8, help="requests sharing the prefix (<2 skips)")
     parser.add_argument("--skip-kv-waste", action="store_true")

@@ -87,3 +87,16 @@ def test_with_prefix_caching_matches_transformers(prompts, reference):
     # Every prompt after the first can reuse the full blocks of the shared prefix.
     shared_blocks = 100 // 16
     assert stats.prefix_cache_hits >= 19 * shared_blocks * 16
+
+
+def test_preemption_chunking_and_prefix_caching_together_match_transformers(prompts, reference):
+    bytes_per_block = 2 * 5 * 16 * 4 * 8 * 4
+    llm = LLM(
+        max_model_len=MAX_MODEL_LEN,
+        enable_prefix_caching=True,
+        kv_cache_memory=24 * bytes_per_block,
+        max_num_batched_tokens=64,
+    )
+    assert generate(llm, prompts) == reference
+    stats = llm.engine.get_stats()
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0 and stats.num_chunked_prefill_steps > 0

@@ -130,3 +130,17 @@ def test_fork_on_a_block_boundary_copies_nothing_and_fails_cleanly_when_full():
     tail_child.num_computed_tokens = 2
     assert kv.fork(tail_parent, tail_child) is None
     assert kv.get_block_ids(tail_child) == []
+
+
+def test_blocks_published_for_a_step_that_never_ran_are_withdrawn_on_free():
+    kv = KVCacheManager(num_blocks=10, block_size=BS)
+    request = make_request(list(range(1, 8)))  # 7 tokens
+    _admit(kv, request)
+    request.append_output_token(9)  # the 8th token completes the second block
+    assert kv.allocate_slots(request, 1) is not None
+    second = kv.req_blocks[request.request_id][1]
+    assert second.block_hash is not None  # published, on the promise that this step writes it
+    kv.free(request)  # preempted before the forward ran: num_computed_tokens is still 7
+    assert second.block_hash is None
+    again = make_request(list(range(1, 8)) + [9, 10])
+    assert kv.get_computed_blocks(again)[1] == 4  # only the block whose KV was really written

@@ -207,3 +207,33 @@ def test_prompt_logprobs_are_the_same_when_the_prompt_is_chunked(llm):
     for a, b in zip(whole.prompt_logprobs[1:], chunked.prompt_logprobs[1:]):
         assert a.keys() == b.keys()
         assert all(a[t].logprob == pytest.approx(b[t].logprob, abs=1e-5) for t in a)
+
+
+@pytest.mark.parametrize("prompt", [[1.5, 2.0], ["a", "b"], None, [True, 1], [[1, 2]]])
+def test_prompts_that_are_not_token_ids_are_rejected_and_leave_the_engine_usable(llm, prompt):
+    with pytest.raises(ValueError, match="a prompt must be a string"):
+        llm.generate([prompt] if prompt is not None else [None], greedy(2), use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    (out,) = llm.generate([[1]], greedy(3), use_tqdm=False)
+    assert out.outputs[0].token_ids == README_IDS[:3]
+
+
+def test_request_ids_are_unique_per_caller_and_never_clash_with_forked_sequences():
+    engine = LLM(max_model_len=256).engine
+    engine.add_request("a", [1], SamplingParams(n=2, temperature=1.0, max_tokens=4, seed=3))
+    engine.add_request("a#1", [1], greedy(4))  # looks like a's second sequence, but is its own request
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("a", [1], greedy(4))
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished |= {o.request_id: o for o in engine.step() if o.finished}
+    assert sorted(finished) == ["a", "a#1"]
+    assert len(finished["a"].outputs) == 2 and finished["a#1"].outputs[0].token_ids == README_IDS[:4]
+
+
+def test_a_stop_string_in_the_last_allowed_token_is_reported_as_stop(llm):
+    (full,) = llm.generate([[1]], greedy(12), use_tqdm=False)
+    assert full.outputs[0].text.endswith("little girl")
+    (out,) = llm.generate([[1]], greedy(12, stop=["girl"]), use_tqdm=False)
+    assert out.outputs[0].text == "Once upon a time, there was a little "
+    assert (out.outputs[0].finish_reason, out.outputs[0].stop_reason) == ("stop", "girl")

@@ -175,7 +175,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     )
     try:
         return ns.handler(ns)
-    except ValueError as exc:
+    except (ValueError, OSError) as exc:
         print(f"pagoda: error: {exc}", file=sys.stderr)
         return 2
 

@@ -12,6 +12,12 @@ from pagoda.outputs import PositionLogprobs
 from pagoda.sampling_params import SamplingParams
 
 
+def sequence_id(external_id: str, index: int) -> str:
+    """Engine-internal id of sequence ``index`` of a request. Splitting at the last ``#`` gives
+    back ``(external_id, index)``, so no two (request, index) pairs can share an id."""
+    return f"{external_id}#{index}"
+
+
 class RequestStatus(enum.IntEnum):
     """Ordered so that ``status >= FINISHED_STOPPED`` means finished."""
 
@@ -58,7 +64,7 @@ class Request:
     lora_id: Optional[int] = None
     cache_salt: Optional[str] = None
     index: int = 0  # which of the parent's n sequences this is
-    parent_id: Optional[str] = None  # the user-visible request id of a forked sequence
+    parent_id: Optional[str] = None  # the caller's request id (shared by the n sequences of a request)
     forked: bool = False  # True once an n > 1 request has been split into its sequences
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

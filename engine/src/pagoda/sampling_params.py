@@ -132,6 +132,8 @@ def _parse_logit_bias(logit_bias: object) -> dict[int, float]:
     parsed = {}
     for key, value in logit_bias.items():  # type: ignore[attr-defined]
         try:
+            if isinstance(key, float) and not key.is_integer():
+                raise ValueError
             token_id, bias = int(key), float(value)
         except (TypeError, ValueError):
             raise ValueError(

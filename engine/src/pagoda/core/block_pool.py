@@ -151,6 +151,11 @@ class BlockPool:
         block.block_hash = block_hash
         self.cached[block_hash] = block
 
+    def uncache(self, block: KVBlock) -> None:
+        """Withdraw a block's hash (its KV was never written, e.g. its owner was preempted
+        before the forward that would have filled it)."""
+        self._evict(block)
+
     def _evict(self, block: KVBlock) -> None:
         if block.block_hash is None:
             return

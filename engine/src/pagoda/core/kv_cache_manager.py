@@ -120,11 +120,20 @@ class KVCacheManager:
         return copies
 
     def free(self, request: Request) -> None:
-        """Release every block of the sequence (tail first, so tails are evicted first)."""
+        """Release every block of the sequence (tail first, so tails are evicted first).
+
+        Blocks past ``num_computed_tokens`` were published to the prefix cache when they were
+        allocated, on the promise that this step's forward fills them; a sequence freed before
+        that forward (preempted while the step is being planned) takes the promise back.
+        """
         blocks = self.req_blocks.pop(request.request_id, None)
         self.num_cached_blocks.pop(request.request_id, None)
-        if blocks:
-            self.pool.free(reversed(blocks))
+        if not blocks:
+            return
+        for block in blocks[request.num_computed_tokens // self.block_size :]:
+            if block.block_hash is not None and block.ref_cnt == 1:
+                self.pool.uncache(block)
+        self.pool.free(reversed(blocks))
 
     def _update_block_hashes(self, request: Request) -> None:
         hashes = request.block_hashes

@@ -18,7 +18,7 @@ from typing import Optional
 from pagoda.config import SchedulerConfig
 from pagoda.core.kv_cache_manager import KVCacheManager
 from pagoda.core.scheduler_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
-from pagoda.request import Request, RequestStatus
+from pagoda.request import Request, RequestStatus, sequence_id
 
 
 class Scheduler:
@@ -117,7 +117,8 @@ class Scheduler:
             if self.kv.allocate_slots(request, num_new, hits) is None:
                 break
             self.waiting.popleft()
-            self.kv.record_prefix_cache_query(request.num_tokens, num_cached)
+            if self.kv.enable_caching and not request.pending_prompt_logprobs:
+                self.kv.record_prefix_cache_query(request.num_tokens, num_cached)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_cached
             if request.num_cached_tokens is None:
@@ -207,8 +208,8 @@ class Scheduler:
         for index in range(1, parent.sampling_params.n):
             child = replace(
                 parent,
-                request_id=f"{parent.request_id}#{index}",
-                parent_id=parent.request_id,
+                request_id=sequence_id(parent.external_id, index),
+                parent_id=parent.external_id,
                 index=index,
                 generator=parent.sibling_generators[index - 1] if parent.sibling_generators else None,
                 sibling_generators=None,
@@ -219,6 +220,7 @@ class Scheduler:
                 prompt_logprobs=None,
                 pending_prompt_logprobs=False,
             )
+            child.pending_prompt_logprobs = False  # replace() re-ran __post_init__; the parent collects them
             self.requests[child.request_id] = child
             copies = self.kv.fork(parent, child)
             if copies is None:  # no block for its tail copy: recompute it later instead

@@ -17,7 +17,7 @@ from pagoda.core.scheduler import Scheduler
 from pagoda.engine.output_processor import OutputProcessor
 from pagoda.model_config import ModelConfig, resolve_dtype
 from pagoda.outputs import RequestOutput
-from pagoda.request import Request, RequestStatus
+from pagoda.request import Request, RequestStatus, sequence_id
 from pagoda.sampling_params import SamplingParams
 from pagoda.tokenizer import get_tokenizer
 from pagoda.worker.kv_sizing import check_fits, cpu_num_blocks, gpu_num_blocks
@@ -102,12 +102,17 @@ class LLMEngine:
         """Validate and queue a request; raises ValueError for anything the engine cannot serve."""
         if request_id in self.output_processor.states:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError("request_id must be a non-empty string")
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be a SamplingParams, not {type(params).__name__}")
         text = prompt if isinstance(prompt, str) else None
-        prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt or [])
+        prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else _token_ids(prompt)
         self._validate(prompt_ids, params)
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(prompt_ids)
         request = Request(
-            request_id=request_id,
+            request_id=sequence_id(request_id, 0),
+            parent_id=request_id,
             prompt_token_ids=prompt_ids,
             sampling_params=params,
             arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
@@ -209,6 +214,12 @@ class LLMEngine:
             return [None] * params.n
         base = params.seed if params.seed is not None else self._seed_rng.getrandbits(62)
         return [torch.Generator().manual_seed(base + i) for i in range(params.n)]
+
+
+def _token_ids(prompt: object) -> list[int]:
+    if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        raise ValueError("a prompt must be a string or a list of integer token ids")
+    return list(prompt)
 
 
 def _resolve_device(device: str) -> torch.device:

@@ -39,7 +39,7 @@ class OutputProcessor:
     def add_request(self, request: Request, prompt: Optional[str]) -> None:
         state = _RequestState(prompt=prompt, parent=request)
         state.sequences[0] = self._new_sequence(request)
-        self.states[request.request_id] = state
+        self.states[request.external_id] = state
 
     def remove_request(self, external_id: str) -> None:
         self.states.pop(external_id, None)
@@ -59,8 +59,12 @@ class OutputProcessor:
             # a sequence already finished as STOPPED here ended on EOS or a stop token id
             stop_terminated = request.status == RequestStatus.FINISHED_STOPPED
             stop = seq.detokenizer.update(new_tokens, stop_terminated=stop_terminated)
-            if stop is not None and not request.is_finished:
-                request.stop_reason = stop
+            if stop is None:
+                continue
+            request.stop_reason = stop
+            if request.is_finished:  # finished by length or a stop token in this very step
+                request.status = RequestStatus.FINISHED_STOPPED
+            else:
                 stopped.append(request)
         return stopped
 

@@ -89,22 +89,23 @@ class LLM:
     def _run(self, prompts: list, params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.engine
         order: dict[str, int] = {}
+        results: list[Optional[RequestOutput]] = [None] * len(prompts)
         try:
             for i, (prompt, p) in enumerate(zip(prompts, params)):
                 request_id = str(next(self._ids))
-                p = _final_only(p)
-                engine.add_request(request_id, prompt, p)
+                engine.add_request(request_id, prompt, _final_only(p))
                 order[request_id] = i
-        except ValueError:
-            engine.abort_request(list(order))
+            bar = tqdm(total=len(prompts), desc="Generating", unit="req", disable=not use_tqdm or len(prompts) < 2)
+            with bar:
+                while engine.has_unfinished_requests():
+                    for output in engine.step():
+                        if output.finished:
+                            results[order[output.request_id]] = output
+                            bar.update(1)
+        except BaseException:
+            # Never leave this call's requests behind in the engine, whatever went wrong.
+            engine.abort_request([rid for rid, i in order.items() if results[i] is None])
             raise
-        results: list[Optional[RequestOutput]] = [None] * len(prompts)
-        with tqdm(total=len(prompts), desc="Generating", unit="req", disable=not use_tqdm or len(prompts) < 2) as bar:
-            while engine.has_unfinished_requests():
-                for output in engine.step():
-                    if output.finished:
-                        results[order[output.request_id]] = output
-                        bar.update(1)
         return results
 
 
