@@ -234,22 +234,30 @@ def _sdpa(
     q: torch.Tensor,  # [batch, q_len, num_heads, head_dim]
     k: torch.Tensor,  # [batch, kv_len, num_kv_heads, head_dim]
     v: torch.Tensor,
-    mask: Optional[torch.Tensor],
+    mask: Optional[torch.Tensor],  # [..., q_len, kv_len] bool, or None for causal
     spec: AttentionLayerSpec,
 ) -> torch.Tensor:  # [batch, q_len, num_heads, head_dim]
     group = spec.num_heads // spec.num_kv_heads
-    if group > 1 and mask is not None:
-        # SDPA's CPU kernels take a slow path for GQA with an explicit mask (~8x here):
-        # repeating the KV heads is cheaper than that at these sizes.
-        k = k.repeat_interleave(group, dim=2)
-        v = v.repeat_interleave(group, dim=2)
+    if group == 1 or mask is None:
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            attn_mask=mask,
+            is_causal=mask is None,
+            scale=spec.scale,
+            enable_gqa=group > 1,
+        )
+        return out.transpose(1, 2)
+    # GQA with a mask: SDPA's CPU kernels take a slow path for enable_gqa + mask, and repeating
+    # K/V doubles the bytes read. Fold each KV head's query group into the query axis instead:
+    # q -> [batch, kv_heads, q_len * group, head_dim], every row keeping its own mask row.
+    batch, q_len = q.shape[0], q.shape[1]
+    q = q.view(batch, q_len, spec.num_kv_heads, group, spec.head_dim).permute(0, 2, 1, 3, 4)
+    q = q.reshape(batch, spec.num_kv_heads, q_len * group, spec.head_dim)
+    mask = mask.repeat_interleave(group, dim=-2) if mask.shape[-2] == q_len and q_len > 1 else mask
     out = F.scaled_dot_product_attention(
-        q.transpose(1, 2),
-        k.transpose(1, 2),
-        v.transpose(1, 2),
-        attn_mask=mask,
-        is_causal=mask is None,
-        scale=spec.scale,
-        enable_gqa=group > 1 and mask is None,
-    )
-    return out.transpose(1, 2)
+        q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=spec.scale
+    )  # [batch, kv_heads, q_len * group, head_dim]
+    out = out.view(batch, spec.num_kv_heads, q_len, group, spec.head_dim).permute(0, 2, 1, 3, 4)
+    return out.reshape(batch, q_len, spec.num_heads, spec.head_dim)
