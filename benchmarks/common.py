@@ -162,7 +162,9 @@ def hf_generate(model, prompts: list[list[int]], max_new_tokens: int) -> list[li
         input_ids=input_ids,
         attention_mask=attention_mask,
         max_new_tokens=max_new_tokens,
-        min_new_tokens=max_new_tokens,  # never stop early, like ignore_eos
+        # Like ignore_eos: EOS neither stops generation nor is masked. (min_new_tokens would mask
+        # it, and stories260K counts BOS as an EOS, which random prompts often make the argmax.)
+        eos_token_id=None,
         do_sample=False,
         pad_token_id=0,
     )
@@ -283,7 +285,12 @@ def report_rows(key: str, r: dict) -> list[tuple[str, ...]]:
     if "kv_waste" in r:
         k = r["kv_waste"]
         rows += [
-            (key, "KV waste mean", f"{k['waste_mean']:.1%}", f"1 - used/allocated slots, over {k['steps']} steps"),
+            (
+                key,
+                "KV waste mean",
+                f"{k['waste_mean']:.1%}",
+                f"1 - used/allocated slots, after each of {k['steps']} steps of the timed run",
+            ),
             (key, "KV waste max", f"{k['waste_max']:.1%}", "worst single step"),
             (
                 key,

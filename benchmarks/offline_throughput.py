@@ -24,6 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (  # noqa: E402 (the benchmarks folder is not a package)
+    BaselineResult,
     Workload,
     ensure_qwen3_shape_checkpoint,
     format_table,
@@ -39,7 +40,7 @@ from common import (  # noqa: E402 (the benchmarks folder is not a package)
     random_tokens,
     report_rows,
 )
-from pagoda import LLM, RequestOutputKind, SamplingParams  # noqa: E402
+from pagoda import LLM, LLMEngine, RequestOutput, SamplingParams  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PREFIX_LEN = 2000  # the shared prefix the issue asks for; less where the model has fewer positions
@@ -61,7 +62,7 @@ class ModelSpec:
     output_range: tuple[int, int]
     sequential_prompts: int  # default size of the transformers sequential subset
     static_prompts: Optional[int]  # default size of the static-batch subset (None: all)
-    prefix_len: int  # shared prefix of the prefix-cache measurement (bounded by max positions)
+    prefix_len: int  # shared prefix of the prefix-cache measurement (the model's positions bound it)
 
     @property
     def dtype_name(self) -> str:
@@ -78,44 +79,113 @@ class ModelSpec:
 
 
 def model_specs(bench_dir: Path) -> dict[str, ModelSpec]:
-    return {
-        "stories": ModelSpec(
-            "stories", "stories260K (fp32)", None, torch.float32, 512, (16, 64), (64, 128), 64, None, 400
-        ),
-        "qwen3": ModelSpec(
-            "qwen3",
-            "Qwen3-0.6B shape, random bf16",
-            bench_dir / "qwen3-0.6b-shape",
-            torch.bfloat16,
-            151936,
-            (32, 128),
-            (32, 32),
-            16,
-            64,
-            PREFIX_LEN,
-        ),
-    }
+    """The two models of the issue, keyed by their ``--models`` name."""
+    stories = ModelSpec(
+        key="stories",
+        label="stories260K (fp32)",
+        path=None,
+        dtype=torch.float32,
+        vocab_size=512,
+        prompt_range=(16, 64),
+        output_range=(64, 128),
+        sequential_prompts=64,
+        static_prompts=None,
+        prefix_len=400,  # stories260K has 512 positions
+    )
+    qwen3 = ModelSpec(
+        key="qwen3",
+        label="Qwen3-0.6B shape, random bf16",
+        path=bench_dir / "qwen3-0.6b-shape",
+        dtype=torch.bfloat16,
+        vocab_size=151936,
+        prompt_range=(32, 128),
+        output_range=(32, 32),
+        sequential_prompts=16,
+        static_prompts=64,
+        prefix_len=PREFIX_LEN,
+    )
+    return {"stories": stories, "qwen3": qwen3}
 
 
-def greedy(max_tokens: int, kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, output_kind=kind)
+def greedy(max_tokens: int) -> SamplingParams:
+    """Greedy decoding of exactly ``max_tokens`` tokens (EOS ignored)."""
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
 
 # ---- Pagoda phases --------------------------------------------------------------------------
 
 
+class KVWasteSampler:
+    """Reads ``kv_slot_usage()`` after every engine step, keeping the time it takes apart.
+
+    Installed over ``engine.step`` for the timed run, so the waste is measured under exactly that
+    load (``LLM.generate`` is an ``add_request`` + ``step`` loop) and its own cost is subtracted
+    from the run's time.
+    """
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.seconds = 0.0
+        self.steps = 0
+        self.allocated_sum = self.used_sum = self.running_sum = 0
+        self.worst = self.peak_usage = 0.0
+
+    def __enter__(self) -> KVWasteSampler:
+        step = self.engine.step
+
+        def sampled_step() -> list[RequestOutput]:
+            outputs = step()
+            self.sample()
+            return outputs
+
+        self.engine.step = sampled_step  # an instance attribute shadows the method
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        del self.engine.step
+
+    def sample(self) -> None:
+        start = time.perf_counter()
+        allocated, used = self.engine.kv_slot_usage()
+        stats = self.engine.get_stats()
+        self.peak_usage = max(self.peak_usage, stats.kv_cache_usage)
+        if allocated:
+            self.steps += 1
+            self.allocated_sum += allocated
+            self.used_sum += used
+            self.running_sum += stats.num_running
+            self.worst = max(self.worst, 1 - used / allocated)
+        self.seconds += time.perf_counter() - start
+
+    def result(self) -> dict:
+        tokens_per_seq = self.used_sum / self.running_sum
+        return {
+            "steps": self.steps,
+            "waste_mean": 1 - self.used_sum / self.allocated_sum,
+            "waste_max": self.worst,
+            "mean_tokens_per_running_seq": tokens_per_seq,
+            "waste_bound": (self.engine.get_stats().block_size - 1) / tokens_per_seq,
+            "peak_kv_pool_usage": self.peak_usage,
+            "sampling_seconds": self.seconds,
+        }
+
+
 def pagoda_throughput(llm: LLM, spec: ModelSpec, workload: Workload, seed: int) -> tuple[dict, list[list[int]]]:
-    """All prompts through ``LLM.generate`` at once, after an untimed warm-up on other prompts."""
+    """All prompts through one ``LLM.generate`` call, after an untimed warm-up on other prompts;
+    KV waste is sampled after every step of it."""
     warmup = make_workload(seed + 1, WARMUP_PROMPTS, spec.prompt_range, (4, 4), spec.vocab_size)
     llm.generate(warmup.prompts, greedy(4), use_tqdm=False)
     before = llm.engine.get_stats()
     params = [greedy(n) for n in workload.output_lens]
-    start = time.perf_counter()
-    outputs = llm.generate(workload.prompts, params, use_tqdm=False)
-    seconds = time.perf_counter() - start
+    with KVWasteSampler(llm.engine) as sampler:
+        start = time.perf_counter()
+        outputs = llm.generate(workload.prompts, params, use_tqdm=False)
+        seconds = time.perf_counter() - start - sampler.seconds
     after = llm.engine.get_stats()
     token_ids = [o.outputs[0].token_ids for o in outputs]
     assert [len(t) for t in token_ids] == workload.output_lens, "Pagoda generated the wrong number of tokens"
+    # Sampling happens after a step's outputs carry their timestamps, so it delays later tokens:
+    # TTFT includes it (it is small next to a step; see kv_waste.sampling_seconds).
     ttft = [o.metrics.first_token_time - o.metrics.arrival_time for o in outputs]
     result = {
         "seconds": seconds,
@@ -131,43 +201,9 @@ def pagoda_throughput(llm: LLM, spec: ModelSpec, workload: Workload, seed: int) 
         "prefix_cache_hits": after.prefix_cache_hits - before.prefix_cache_hits,
         "num_blocks": after.num_blocks,
         "block_size": after.block_size,
+        "kv_waste": sampler.result(),
     }
     return result, token_ids
-
-
-def kv_waste(llm: LLM, workload: Workload) -> dict:
-    """Replay the throughput workload step by step, sampling allocated vs used KV slots each step.
-
-    A cache salt keeps these requests from hitting blocks the timed run left in the prefix cache,
-    so the replay schedules like the timed run did.
-    """
-    engine = llm.engine
-    for i, (prompt, n) in enumerate(zip(workload.prompts, workload.output_lens)):
-        engine.add_request(f"kv-waste-{i}", prompt, greedy(n, RequestOutputKind.FINAL_ONLY), cache_salt="kv-waste")
-    allocated_sum = used_sum = running_sum = 0
-    worst = peak_usage = 0.0
-    steps = 0
-    while engine.has_unfinished_requests():
-        engine.step()
-        allocated, used = engine.kv_slot_usage()
-        stats = engine.get_stats()
-        peak_usage = max(peak_usage, stats.kv_cache_usage)
-        if allocated:
-            steps += 1
-            allocated_sum += allocated
-            used_sum += used
-            running_sum += stats.num_running
-            worst = max(worst, 1 - used / allocated)
-    block_size = engine.get_stats().block_size
-    tokens_per_seq = used_sum / running_sum
-    return {
-        "steps": steps,
-        "waste_mean": 1 - used_sum / allocated_sum,
-        "waste_max": worst,
-        "mean_tokens_per_running_seq": tokens_per_seq,
-        "waste_bound": (block_size - 1) / tokens_per_seq,
-        "peak_kv_pool_usage": peak_usage,
-    }
 
 
 def prefix_cache_effect(spec: ModelSpec, num_requests: int, seed: int) -> dict:
@@ -244,10 +280,8 @@ def run_model(spec: ModelSpec, args: argparse.Namespace) -> dict:
         "max_num_batched_tokens": llm.engine.scheduler.config.max_num_batched_tokens,
     }
     result["pagoda"], pagoda_tokens = pagoda_throughput(llm, spec, workload, args.seed)
+    result["kv_waste"] = result["pagoda"].pop("kv_waste")
     log(f"[{spec.key}]   {result['pagoda']['output_tokens_per_s']:.1f} output tok/s")
-    if not args.skip_kv_waste:
-        log(f"[{spec.key}] KV waste: replaying the workload step by step")
-        result["kv_waste"] = kv_waste(llm, workload)
     del llm
     gc.collect()
     if args.prefix_requests > 1:
@@ -258,7 +292,9 @@ def run_model(spec: ModelSpec, args: argparse.Namespace) -> dict:
     return result
 
 
-def transformers_baselines(spec: ModelSpec, workload: Workload, pagoda_tokens: list[list[int]], args) -> dict:
+def transformers_baselines(
+    spec: ModelSpec, workload: Workload, pagoda_tokens: list[list[int]], args: argparse.Namespace
+) -> dict:
     model = load_hf_model(spec.model_dir(), spec.dtype)
     sequential_count = min(args.sequential_prompts or spec.sequential_prompts, len(workload.prompts))
     log(f"[{spec.key}] transformers sequential: {sequential_count} prompts, one at a time")
@@ -277,7 +313,7 @@ def transformers_baselines(spec: ModelSpec, workload: Workload, pagoda_tokens: l
     }
 
 
-def _baseline_dict(result) -> dict:
+def _baseline_dict(result: BaselineResult) -> dict:
     return {
         "prompts": result.num_prompts,
         "seconds": result.seconds,
@@ -297,7 +333,6 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--static-prompts", type=int, help="transformers static-batch subset (default all / 64)")
     parser.add_argument("--hf-batch-size", type=int, default=32)
     parser.add_argument("--prefix-requests", type=int, default=8, help="requests sharing the prefix (<2 skips)")
-    parser.add_argument("--skip-kv-waste", action="store_true")
     parser.add_argument("--kv-cache-memory", help="Pagoda's KV budget, e.g. 4GiB (default: the engine's)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--bench-dir", type=Path, default=REPO_ROOT / ".bench", help="checkpoint and JSON folder")
