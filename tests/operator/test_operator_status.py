@@ -1,0 +1,155 @@
+"""Status conditions from observations, and the reconciler's drift check."""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+import pytest
+
+from pagoda_operator.reconcile import contains
+from pagoda_operator.spec import InvalidSpec
+from pagoda_operator.status import compute_conditions, compute_status
+
+T0 = datetime.datetime(2026, 1, 1, tzinfo=datetime.UTC)
+T1 = T0 + datetime.timedelta(minutes=5)
+
+
+def deployment(
+    wanted: int, ready: int, updated: int | None = None, generation: int = 2, seen: int = 2
+) -> dict[str, Any]:
+    status = {"replicas": wanted, "readyReplicas": ready, "updatedReplicas": wanted if updated is None else updated}
+    return {
+        "metadata": {"generation": generation},
+        "spec": {"replicas": wanted},
+        "status": {**status, "observedGeneration": seen},
+    }
+
+
+def pod(state: dict[str, Any]) -> dict[str, Any]:
+    container = {"name": "engine", "image": "engine:1", "state": state}
+    return {"metadata": {"name": "p-1"}, "status": {"containerStatuses": [container]}}
+
+
+def summary(conditions: list[Any]) -> dict[str, tuple[bool, str]]:
+    return {c.type: (c.status, c.reason) for c in conditions}
+
+
+@pytest.mark.parametrize(
+    ("error", "observed", "pods", "expected"),
+    [
+        (
+            InvalidSpec("spec.gpus", "x"),
+            None,
+            [],
+            {"Ready": (False, "InvalidSpec"), "Progressing": (False, "InvalidSpec"), "Degraded": (True, "InvalidSpec")},
+        ),
+        (
+            None,
+            None,
+            [],
+            {"Ready": (False, "Pending"), "Progressing": (True, "Creating"), "Degraded": (False, "AsExpected")},
+        ),
+        (
+            None,
+            deployment(2, 1),
+            [],
+            {
+                "Ready": (False, "ReplicasNotReady"),
+                "Progressing": (True, "RollingOut"),
+                "Degraded": (False, "AsExpected"),
+            },
+        ),
+        (
+            None,
+            deployment(2, 2),
+            [],
+            {
+                "Ready": (True, "AllReplicasReady"),
+                "Progressing": (False, "RolloutComplete"),
+                "Degraded": (False, "AsExpected"),
+            },
+        ),
+        (
+            None,
+            deployment(2, 2, seen=1),  # the Deployment controller has not seen the new template yet
+            [],
+            {
+                "Ready": (False, "ReplicasNotReady"),
+                "Progressing": (True, "RollingOut"),
+                "Degraded": (False, "AsExpected"),
+            },
+        ),
+        (
+            None,
+            deployment(0, 0),
+            [],
+            {
+                "Ready": (False, "ScaledToZero"),
+                "Progressing": (False, "RolloutComplete"),
+                "Degraded": (False, "AsExpected"),
+            },
+        ),
+        (
+            None,
+            deployment(1, 0),
+            [pod({"waiting": {"reason": "ImagePullBackOff", "message": "not found"}})],
+            {
+                "Ready": (False, "ImagePullBackOff"),
+                "Progressing": (True, "RollingOut"),
+                "Degraded": (True, "ImagePullBackOff"),
+            },
+        ),
+        (
+            None,
+            deployment(1, 0),
+            [pod({"waiting": {"reason": "CrashLoopBackOff"}})],
+            {
+                "Ready": (False, "ModelLoadFailed"),
+                "Progressing": (True, "RollingOut"),
+                "Degraded": (True, "ModelLoadFailed"),
+            },
+        ),
+    ],
+)
+def test_conditions(error: Any, observed: Any, pods: list[Any], expected: dict[str, tuple[bool, str]]) -> None:
+    assert summary(compute_conditions(error, observed, pods)) == expected
+
+
+def test_invalid_spec_message_names_the_field() -> None:
+    (_, _, degraded) = compute_conditions(InvalidSpec("spec.loraAdapters[1].name", "used twice"), None, [])
+    assert degraded.message == "invalid field spec.loraAdapters[1].name: used twice"
+
+
+def test_transition_time_changes_only_when_the_status_changes() -> None:
+    common = {"error": None, "pods": [], "generation": 2, "selector": "a=b", "endpoint": "http://x"}
+    first = compute_status(deployment=deployment(1, 0), previous={}, now=T0, **common)
+    same = compute_status(deployment=deployment(1, 0), previous=first, now=T1, **common)
+    ready = compute_status(deployment=deployment(1, 1), previous=same, now=T1, **common)
+    times = [{c["type"]: c["lastTransitionTime"] for c in s["conditions"]} for s in (first, same, ready)]
+    assert (
+        times[0]
+        == times[1]
+        == {"Ready": "2026-01-01T00:00:00Z", "Progressing": "2026-01-01T00:00:00Z", "Degraded": "2026-01-01T00:00:00Z"}
+    )
+    assert times[2] == {
+        "Ready": "2026-01-01T00:05:00Z",
+        "Progressing": "2026-01-01T00:05:00Z",
+        "Degraded": "2026-01-01T00:00:00Z",
+    }
+    assert ready["observedGeneration"] == 2 and ready["readyReplicas"] == 1 and ready["selector"] == "a=b"
+
+
+@pytest.mark.parametrize(
+    ("live", "desired", "expected"),
+    [
+        ({"a": 1, "defaulted": "x"}, {"a": 1}, True),
+        ({"a": {"b": [1, 2]}}, {"a": {"b": [1, 2]}}, True),
+        ({"a": {"b": [1]}}, {"a": {"b": [1, 2]}}, False),
+        ({"limits": {"nvidia.com/gpu": "2"}}, {"limits": {"nvidia.com/gpu": 2}}, True),
+        ({"flag": "True"}, {"flag": True}, False),
+        ({"a": 1}, {"a": 1, "b": 2}, False),
+    ],
+)
+def test_contains_tolerates_server_defaults_but_not_drift(live: Any, desired: Any, expected: bool) -> None:
+    assert contains(live, desired) is expected
