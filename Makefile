@@ -16,7 +16,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 .PHONY: serve test lint format install bench clean
 
 serve: install
-	$(VENV)/bin/pagoda generate
+	$(VENV)/bin/pagoda serve --host 127.0.0.1 --port 8000
 
 test: install
 	$(PY) -m pytest tests e2e

@@ -1,4 +1,4 @@
-"""The ``pagoda`` command: ``pagoda generate [MODEL]`` runs an offline generation."""
+"""The ``pagoda`` command: ``pagoda serve [MODEL]`` (the HTTP server) and ``pagoda generate [MODEL]``."""
 
 from __future__ import annotations
 
@@ -146,6 +146,67 @@ def _asdict(args: EngineArgs) -> dict:
     return {name: getattr(args, name) for name in args.__dataclass_fields__}
 
 
+def _serve(ns: argparse.Namespace) -> int:
+    import os
+
+    from pagoda.entrypoints.openai.api_server import ServerConfig, run_server
+    from pagoda.entrypoints.openai.auth import resolve_api_keys
+
+    _reject_unsupported(ns)
+    config = ServerConfig(
+        engine_args=engine_args_from(ns),
+        host=ns.host,
+        port=ns.port,
+        served_model_name=ns.served_model_name,
+        api_keys=tuple(resolve_api_keys(ns.api_key or [], os.environ)),
+        max_num_queued_requests=ns.max_num_queued_requests,
+        shutdown_timeout=ns.shutdown_timeout,
+    )
+    config.engine_args.validate()  # fail fast on bad flags, before binding the port
+    if config.max_num_queued_requests < 1:
+        raise ValueError("--max-num-queued-requests must be at least 1")
+    return run_server(config, ns.log_level)
+
+
+def _reject_unsupported(ns: argparse.Namespace) -> None:
+    """Flags of later features: parsed (so deployments can already set them) but refused clearly."""
+    if ns.tensor_parallel_size != 1:
+        raise ValueError("--tensor-parallel-size > 1 is not supported yet (single-device engine)")
+    if ns.quantization is not None:
+        raise ValueError(f"--quantization {ns.quantization} is not supported yet")
+    if ns.enable_lora or ns.lora_modules or ns.max_loras is not None or ns.max_lora_rank is not None:
+        raise ValueError("LoRA (--enable-lora, --lora-modules, --max-loras, --max-lora-rank) is not supported yet")
+
+
+def _add_serve_args(serve: argparse.ArgumentParser) -> None:
+    from pagoda.entrypoints.openai.api_server import DEFAULT_MAX_NUM_QUEUED_REQUESTS, DEFAULT_SHUTDOWN_TIMEOUT
+
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 in a pod)")
+    serve.add_argument("--port", type=int, default=8000, help="port to bind")
+    serve.add_argument("--served-model-name", default=None, help="model name clients use (default: the model path)")
+    serve.add_argument(
+        "--api-key", action="append", help="require this bearer key (repeatable; env PAGODA_API_KEY, VLLM_API_KEY)"
+    )
+    serve.add_argument(
+        "--max-num-queued-requests",
+        type=int,
+        default=DEFAULT_MAX_NUM_QUEUED_REQUESTS,
+        help="waiting requests beyond this get 429 with Retry-After",
+    )
+    serve.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=DEFAULT_SHUTDOWN_TIMEOUT,
+        help="seconds in-flight requests get to finish after SIGTERM",
+    )
+    serve.add_argument("--tensor-parallel-size", type=int, default=1, help="not supported yet beyond 1")
+    serve.add_argument("--quantization", default=None, help="not supported yet")
+    serve.add_argument("--enable-lora", action="store_true", help="not supported yet")
+    serve.add_argument("--lora-modules", nargs="*", default=None, help="not supported yet")
+    serve.add_argument("--max-loras", type=int, default=None, help="not supported yet")
+    serve.add_argument("--max-lora-rank", type=int, default=None, help="not supported yet")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagoda", description="Pagoda LLM engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -164,6 +225,14 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed")
     gen.add_argument("--json", action="store_true", help="print one JSON object per completion")
     gen.set_defaults(handler=_generate)
+    serve = sub.add_parser(
+        "serve",
+        help="the OpenAI-compatible HTTP server",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    add_engine_args(serve)
+    _add_serve_args(serve)
+    serve.set_defaults(handler=_serve)
     return parser
 
 

@@ -13,7 +13,7 @@ import asyncio
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -46,14 +46,22 @@ class _Abort:
 class AsyncLLMEngine:
     """Thread-backed asyncio front of :class:`LLMEngine` (one engine thread per instance)."""
 
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, on_step: Optional[Callable[[LLMEngine, int], None]] = None) -> None:
+        """``on_step(engine, num_batched_tokens)`` runs on the engine thread after every step, and with 0
+        tokens after adds/aborts change the queues without a step (metrics); it must be quick."""
         self.engine = engine
+        self._on_step = on_step
         self._inbox: queue.SimpleQueue[Union[_Add, _Abort, None]] = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stopping = threading.Event()
         self.error: Optional[BaseException] = None
         self._thread = threading.Thread(target=self._run, name="pagoda-engine", daemon=True)
         self._thread.start()
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests queued for the engine: not yet scheduled, or not yet taken from the inbox."""
+        return self.engine.scheduler.num_waiting + self._inbox.qsize()
 
     @property
     def is_alive(self) -> bool:
@@ -106,18 +114,23 @@ class AsyncLLMEngine:
         try:
             while not self._stopping.is_set():
                 # Block for work only when idle; otherwise just drain what arrived.
-                self._apply_commands(block=not self.engine.has_unfinished_requests())
+                if self._apply_commands(block=not self.engine.has_unfinished_requests()) and self._on_step:
+                    self._on_step(self.engine, 0)
                 if self._stopping.is_set() or not self.engine.has_unfinished_requests():
                     continue
                 for output in self.engine.step():
                     self._deliver(output.request_id, output, last=output.finished)
+                if self._on_step is not None:
+                    self._on_step(self.engine, self.engine.last_step_num_tokens)
         except BaseException as exc:  # an engine bug: fail every request loudly, never hang them
             logger.exception("engine thread failed")
             self.error = exc
         self._fail_all(EngineDeadError("the engine stopped" + (f": {self.error!r}" if self.error else "")))
 
-    def _apply_commands(self, block: bool) -> None:
+    def _apply_commands(self, block: bool) -> bool:
+        """Apply queued adds and aborts; returns whether there were any."""
         command = self._inbox.get() if block else _get_nowait(self._inbox)
+        applied = command is not None
         while command is not None:
             if isinstance(command, _Add):
                 self._add(command)
@@ -125,6 +138,7 @@ class AsyncLLMEngine:
                 self._streams.pop(command.request_id, None)
                 self.engine.abort_request(command.request_id)
             command = _get_nowait(self._inbox)
+        return applied
 
     def _add(self, command: _Add) -> None:
         try:

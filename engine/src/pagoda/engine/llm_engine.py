@@ -145,6 +145,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, and return the outputs of requests that progressed."""
         plan = self.scheduler.schedule()
+        self.last_step_num_tokens = plan.num_batched_tokens
         if plan.is_empty:
             # start-up guarantees one max-length sequence fits, so work can always progress
             assert not self.scheduler.has_unfinished_requests(), "scheduler made no progress"
@@ -153,7 +154,6 @@ class LLMEngine:
         updated = self.scheduler.update_from_output(plan, result)
         stopped = self.output_processor.detokenize(updated)
         self.scheduler.finish_requests([r.request_id for r in stopped], RequestStatus.FINISHED_STOPPED)
-        self.last_step_num_tokens = plan.num_batched_tokens
         return self.output_processor.make_outputs(updated)
 
     def get_stats(self) -> EngineStats:

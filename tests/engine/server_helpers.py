@@ -1,0 +1,83 @@
+"""Start real `pagoda serve` processes on 127.0.0.1 and talk to them over plain HTTP."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Optional
+
+CHAT_TEMPLATE = "{% for m in messages %}{% if m['role'] == 'user' %}{{ m['content'] }}{% endif %}{% endfor %}"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Server:
+    process: subprocess.Popen
+    port: int
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def request(
+        self, method: str, path: str, body: Any = None, headers: Optional[dict] = None, raw: Optional[bytes] = None
+    ) -> tuple[int, dict, Any]:
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
+        data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+        conn.request(method, path, body=data, headers={"Content-Type": "application/json", **(headers or {})})
+        response = conn.getresponse()
+        payload = response.read()
+        conn.close()
+        try:
+            parsed = json.loads(payload) if payload else None
+        except json.JSONDecodeError:
+            parsed = payload.decode()
+        return response.status, dict(response.getheaders()), parsed
+
+    def metric(self, name: str) -> float:
+        """Sum of all samples of one metric family line (``name{...} value``) in /metrics."""
+        _, _, text = self.request("GET", "/metrics")
+        total = 0.0
+        for line in str(text).splitlines():
+            if line.startswith(name + "{") or line.startswith(name + " "):
+                total += float(line.rsplit(" ", 1)[1])
+        return total
+
+    def stop(self, timeout: float = 30) -> int:
+        if self.process.poll() is None:
+            self.process.terminate()
+        return self.process.wait(timeout)
+
+
+def start_server(*args: str, wait_ready: bool = True) -> Server:
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "pagoda.cli", "serve", "--port", str(port), "--log-level", "warning", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    server = Server(process, port)
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"pagoda serve exited with {process.returncode}: {process.stdout.read()}")
+        try:
+            status, _, _ = server.request("GET", "/ready" if wait_ready else "/health")
+            if status == 200:
+                return server
+        except OSError:
+            pass
+        time.sleep(0.1)
+    server.stop()
+    raise RuntimeError("pagoda serve did not become ready in 90 s")
