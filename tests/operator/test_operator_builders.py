@@ -182,7 +182,7 @@ def test_replicas_rule(spec: dict[str, Any], include: bool, replicas: int | None
 
 
 def test_every_child_carries_labels_and_a_controller_owner_reference() -> None:
-    spec = spec_of(autoscaling={"enabled": True, "maxReplicas": 3})
+    spec = spec_of(autoscaling={"enabled": True, "mode": "hpa", "maxReplicas": 3})
     children = [build_deployment(spec, OWNER), build_service(spec, OWNER), build_hpa(spec, OWNER)]
     for child in children:
         meta = child["metadata"]
@@ -217,8 +217,9 @@ def test_service_exposes_port_named_http() -> None:
         (None, None),
         ({"enabled": False}, None),
         ({"enabled": True, "mode": "builtin", "maxReplicas": 3}, None),
-        ({"enabled": True, "minReplicas": 1, "maxReplicas": 4, "targetWaitingRequests": 2.5}, "2500m"),
-        ({"enabled": True, "maxReplicas": 4}, "5"),
+        ({"enabled": True, "maxReplicas": 3}, None),  # builtin is the default mode
+        ({"enabled": True, "mode": "hpa", "minReplicas": 1, "maxReplicas": 4, "targetWaitingRequests": 2.5}, "2500m"),
+        ({"enabled": True, "mode": "hpa", "maxReplicas": 4}, "5"),
     ],
 )
 def test_hpa_only_in_hpa_mode_on_waiting_requests_per_pod(autoscaling: Any, expected: str | None) -> None:

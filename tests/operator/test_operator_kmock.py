@@ -236,7 +236,7 @@ async def test_invalid_resource_is_degraded_naming_the_field_and_gets_no_childre
 
 
 async def test_deleting_the_resource_deletes_its_children(cluster: kmock.KubernetesEmulator) -> None:
-    await create(cluster, model_deployment("llm", autoscaling={"enabled": True, "maxReplicas": 3}))
+    await create(cluster, model_deployment("llm", autoscaling={"enabled": True, "mode": "hpa", "maxReplicas": 3}))
     await eventually(lambda: get(cluster, f"{HPAS}/llm"))
     await eventually(lambda: get(cluster, f"{DEPLOYMENTS}/llm"))
     await eventually(lambda: get(cluster, f"{SERVICES}/llm"))
@@ -296,7 +296,10 @@ async def test_crash_looping_pod_is_reported_as_model_load_failed(cluster: kmock
 
 async def test_autoscaler_owned_replicas_are_not_reset(cluster: kmock.KubernetesEmulator) -> None:
     await create(
-        cluster, model_deployment("llm", replicas=1, autoscaling={"enabled": True, "minReplicas": 2, "maxReplicas": 6})
+        cluster,
+        model_deployment(
+            "llm", replicas=1, autoscaling={"enabled": True, "mode": "hpa", "minReplicas": 2, "maxReplicas": 6}
+        ),
     )
     deployment = await eventually(lambda: get(cluster, f"{DEPLOYMENTS}/llm"))
     assert deployment["spec"]["replicas"] == 2  # created at minReplicas

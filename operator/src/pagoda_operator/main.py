@@ -1,23 +1,27 @@
 """kopf registrations only; the work happens in ``reconcile``. Run with ``kopf run -m pagoda_operator.main``.
 
 Environment: ``PAGODA_RECONCILE_INTERVAL`` (seconds between periodic reconciles, default 30), which bounds how long
-a hand-edited or deleted child stays wrong; ``PAGODA_ENGINE_IMAGE`` (the default engine image).
+a hand-edited or deleted child stays wrong; ``PAGODA_ENGINE_IMAGE`` (the default engine image);
+``PAGODA_AUTOSCALE_INTERVAL`` (seconds between built-in autoscaler ticks, default 15).
 """
 
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 import aiohttp
 import kopf
 
+from pagoda_operator.autoscaler.loop import autoscale_once, builtin_enabled
 from pagoda_operator.builders.meta import MANAGED_BY
 from pagoda_operator.constants import GROUP, PLURAL, VERSION
 from pagoda_operator.kube import KubeClient, KubeError
 from pagoda_operator.reconcile import delete_children, reconcile, refresh_owner_status
 
 RECONCILE_INTERVAL = float(os.environ.get("PAGODA_RECONCILE_INTERVAL", "30"))
+AUTOSCALE_INTERVAL = float(os.environ.get("PAGODA_AUTOSCALE_INTERVAL", "15"))
 RESOURCE = (GROUP, VERSION, PLURAL)
 
 
@@ -28,12 +32,14 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="pagoda.dev")
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix="pagoda.dev")
     memo.kube = KubeClient.from_environment(settings)
+    memo.scrape_session = aiohttp.ClientSession()  # the autoscaler's, shared by every resource (memos are copies)
 
 
 @kopf.on.cleanup()
 async def cleanup(memo: kopf.Memo, **_: Any) -> None:
-    """Close the API session."""
+    """Close the API sessions."""
     await memo.kube.close()
+    await memo.scrape_session.close()
 
 
 async def _reconcile_into(memo: kopf.Memo, body: kopf.Body, patch: kopf.Patch) -> None:
@@ -80,3 +86,21 @@ async def on_deployment_event(
         await refresh_owner_status(memo.kube, body.metadata.namespace, owner)
     except (KubeError, aiohttp.ClientError) as error:
         logger.warning(f"could not refresh the status of ModelDeployment {owner}: {error}")  # the timer retries
+
+
+def _builtin_autoscaling(body: kopf.Body, **_: Any) -> bool:
+    return builtin_enabled(body)
+
+
+@kopf.timer(*RESOURCE, interval=AUTOSCALE_INTERVAL, when=_builtin_autoscaling)
+async def autoscale(memo: kopf.Memo, body: kopf.Body, patch: kopf.Patch, logger: kopf.Logger, **_: Any) -> None:
+    """The built-in autoscaler (``autoscaling.mode: builtin`` only; with ``hpa`` the HPA scales and this stays off)."""
+    if not builtin_enabled(body):  # the spec may have changed since kopf checked the filter
+        return
+    try:
+        status = await autoscale_once(memo.kube, memo.scrape_session, body, time.time())
+    except (KubeError, aiohttp.ClientError) as error:
+        logger.warning(f"autoscaler tick failed, the next one retries: {error}")
+        return
+    if status is not None:
+        patch.status.update(status)

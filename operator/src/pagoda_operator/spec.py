@@ -51,7 +51,7 @@ class Autoscaling:
     """Autoscaling settings; with ``enabled`` the autoscaler, not ``spec.replicas``, owns the replica count."""
 
     enabled: bool = False
-    mode: str = "hpa"
+    mode: str = "builtin"
     min_replicas: int = 1
     max_replicas: int = 1
     target_waiting_requests: float = 5.0
@@ -130,7 +130,7 @@ def parse_source(text: Optional[str], field_path: str) -> ModelSource:
 def _parse_autoscaling(raw: Mapping[str, Any]) -> Autoscaling:
     scaling = Autoscaling(
         enabled=bool(raw.get("enabled", False)),
-        mode=str(raw.get("mode", "hpa")),
+        mode=str(raw.get("mode", "builtin")),
         min_replicas=int(raw.get("minReplicas", 1)),
         max_replicas=int(raw.get("maxReplicas", max(1, int(raw.get("minReplicas", 1))))),
         target_waiting_requests=float(raw.get("targetWaitingRequests", 5)),

@@ -1,0 +1,132 @@
+"""One autoscaler tick for one ModelDeployment: observe pods, scrape, decide, scale, and report.
+
+Everything the decision depends on comes from the cluster (pods and their IPs from the API, the Deployment's
+replicas, the remembered recommendations from the resource's status), so a restarted operator continues where the
+previous one stopped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import logging
+from collections.abc import Mapping
+from typing import Any, Optional
+
+import aiohttp
+import kopf
+
+from pagoda_operator.autoscaler.algorithm import Decision, PodSample, decide, from_status, to_status
+from pagoda_operator.autoscaler.scrape import scrape
+from pagoda_operator.builders import Owner, selector_labels
+from pagoda_operator.constants import ENGINE_PORT
+from pagoda_operator.kube import KubeClient, object_path
+from pagoda_operator.spec import InvalidSpec, ModelDeploymentSpec, parse_spec
+
+logger = logging.getLogger("pagoda_operator.autoscaler")
+
+
+def builtin_enabled(body: Mapping[str, Any]) -> bool:
+    """Whether the built-in autoscaler owns this resource's replicas (valid spec, enabled, mode builtin)."""
+    try:
+        scaling = parse_spec(body).autoscaling
+    except InvalidSpec:
+        return False
+    return scaling.enabled and scaling.mode == "builtin"
+
+
+def _is_ready(pod: Mapping[str, Any]) -> bool:
+    status = pod.get("status") or {}
+    conditions = status.get("conditions") or []
+    ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+    return ready and bool(status.get("podIP")) and not (pod.get("metadata") or {}).get("deletionTimestamp")
+
+
+def _metrics_port(pod: Mapping[str, Any]) -> int:
+    # The engine container's port named http, as the builders declare it; the constant for pods without one.
+    for container in (pod.get("spec") or {}).get("containers") or []:
+        for port in container.get("ports") or []:
+            if port.get("name") == "http" and port.get("containerPort"):
+                return int(port["containerPort"])
+    return ENGINE_PORT
+
+
+async def sample_pods(session: aiohttp.ClientSession, pods: list[dict[str, Any]], model_name: str) -> list[PodSample]:
+    """Scrape every ready pod concurrently; not-ready pods are sampled without metrics."""
+
+    async def one(pod: dict[str, Any]) -> PodSample:
+        name = (pod.get("metadata") or {}).get("name", "?")
+        if not _is_ready(pod):
+            return PodSample(name=name, ready=False)
+        url = f"http://{pod['status']['podIP']}:{_metrics_port(pod)}/metrics"
+        metrics = await scrape(session, url, model_name)
+        if metrics is None:
+            return PodSample(name=name, ready=True)
+        return PodSample(name, True, metrics.waiting, metrics.running, metrics.kv_cache_usage)
+
+    live = [p for p in pods if not (p.get("metadata") or {}).get("deletionTimestamp")]
+    return list(await asyncio.gather(*(one(p) for p in live)))
+
+
+def _stamp(seconds: float) -> str:
+    return datetime.datetime.fromtimestamp(seconds, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def decision_status(decision: Decision, current: int) -> dict[str, Any]:
+    """The status fields that make a decision visible (and the state that survives a restart)."""
+    m = decision.metrics
+    status: dict[str, Any] = {
+        "desiredReplicas": decision.desired,
+        "lastDecision": {
+            "reason": decision.reason,
+            "currentReplicas": current,
+            "recommendedReplicas": decision.raw,
+            "waiting": m.waiting,
+            "running": m.running,
+            "kvCacheUsage": m.kv_cache_usage,
+            "podsReady": m.pods_ready,
+            "podsUnknown": m.pods_unknown,
+        },
+        "autoscaler": to_status(decision.state),
+    }
+    if decision.state.last_scale_time is not None:
+        status["lastScaleTime"] = _stamp(decision.state.last_scale_time)
+    return status
+
+
+def describe(decision: Decision, current: int) -> str:
+    """One line with the facts behind a decision, for the Event and the log."""
+    m = decision.metrics
+    kv = "unknown" if m.kv_cache_usage is None else f"{m.kv_cache_usage:.2f}"
+    return (
+        f"{decision.reason}: replicas {current} -> {decision.desired} (waiting={m.waiting:g} running={m.running:g} "
+        f"kvCacheUsage={kv} podsReady={m.pods_ready} podsUnknown={m.pods_unknown})"
+    )
+
+
+async def autoscale_once(
+    kube: KubeClient,
+    session: aiohttp.ClientSession,
+    body: Mapping[str, Any],
+    now: float,
+) -> Optional[dict[str, Any]]:
+    """Run one tick; returns the status fields to patch, or None when there is nothing to scale yet."""
+    spec: ModelDeploymentSpec = parse_spec(body)
+    owner = Owner.from_body(body)
+    deployment_path = object_path("apps/v1", "deployments", owner.namespace, owner.name)
+    deployment = await kube.get(deployment_path)
+    if deployment is None:
+        return None
+    current = int((deployment.get("spec") or {}).get("replicas", 1))
+    pods = await kube.list(object_path("v1", "pods", owner.namespace), selector_labels(owner))
+    samples = await sample_pods(session, pods, spec.served_model_name)
+    state = from_status((body.get("status") or {}).get("autoscaler"))
+    decision = decide(samples, state, spec.autoscaling, current, now)
+    if decision.desired != current:
+        await kube.merge_patch(deployment_path, {"spec": {"replicas": decision.desired}})
+        message = describe(decision, current)
+        kopf.info(dict(body), reason="ScaledUp" if decision.desired > current else "ScaledDown", message=message)
+        logger.info(f"ModelDeployment {owner.namespace}/{owner.name}: {message}")
+    else:
+        logger.debug(f"ModelDeployment {owner.namespace}/{owner.name}: {describe(decision, current)}")
+    return decision_status(decision, current)
