@@ -120,7 +120,9 @@ def _burst(host: str, port: int, count: int) -> threading.Thread:
     """``count`` concurrent completions to one engine, in daemon threads; errors (a killed engine) are ignored."""
 
     def one() -> None:
-        body = json.dumps({"model": MODEL, "prompt": "Once upon a time", "max_tokens": 16, "ignore_eos": True})
+        # Long enough (6 x 200 tokens, one sequence at a time) that the queue outlives several autoscaler ticks
+        # even on a fast, quiet machine.
+        body = json.dumps({"model": MODEL, "prompt": "Once upon a time", "max_tokens": 200, "ignore_eos": True})
         try:
             connection = http.client.HTTPConnection(host, port, timeout=60)
             connection.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
