@@ -158,8 +158,9 @@ def test_metrics_move_with_traffic(server, client):
 def test_a_disconnected_stream_frees_its_blocks(server):
     import http.client
 
+    aborted_before = _aborted(server)
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
-    body = {"prompt": "Once upon a time", "max_tokens": 200, "stream": True, "ignore_eos": True}
+    body = {"prompt": "Once upon a time", "max_tokens": 250, "n": 8, "stream": True, "ignore_eos": True}
     conn.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
     response = conn.getresponse()
     response.fp.readline()  # the first event arrived: the request is running
@@ -171,6 +172,37 @@ def test_a_disconnected_stream_frees_its_blocks(server):
         time.sleep(0.1)
     assert server.metric("vllm:num_requests_running") == 0
     assert server.metric("vllm:kv_cache_usage_perc") == 0.0
+    assert _aborted(server) == aborted_before + 1  # aborted, not finished
+
+
+def _aborted(server) -> float:
+    _, _, text = server.request("GET", "/metrics")
+    lines = [line for line in str(text).splitlines() if line.startswith("vllm:request_success_total{")]
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if 'finished_reason="abort"' in line)
+
+
+def test_a_disconnected_non_streaming_request_is_aborted_too():
+    import http.client
+
+    server = start_server()
+    try:
+        # 16 sequences x 500 tokens: seconds of work, far longer than the server's 0.5 s disconnect poll.
+        body = {"prompt": "Once upon a time", "max_tokens": 500, "n": 16, "ignore_eos": True}
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+        conn.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
+        deadline = time.monotonic() + 10
+        while server.metric("vllm:num_requests_running") == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert server.metric("vllm:num_requests_running") > 0
+        conn.close()  # gone before the response
+        deadline = time.monotonic() + 20
+        while server.metric("vllm:num_requests_running") > 0 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert server.metric("vllm:num_requests_running") == 0
+        assert server.metric("vllm:kv_cache_usage_perc") == 0.0
+        assert _aborted(server) == 1  # aborted, not finished
+    finally:
+        server.stop()
 
 
 def test_health_ready_version_and_tokenize(server):
