@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 # One generated (or prompt) position: token id -> its logprob entry; the chosen token first.
@@ -71,4 +71,3 @@ class RequestOutput:
     prompt_logprobs: Optional[list[Optional[PositionLogprobs]]] = None
     num_cached_tokens: int = 0
     num_preemptions: int = 0
-    extra: dict = field(default_factory=dict)

@@ -195,10 +195,8 @@ class OpenAIServing:
         defaults = self.engine.engine.model_config.generation_defaults
         if self.engine.engine.args.generation_config == "vllm":
             defaults = {}
-        try:
-            return body.to_sampling_params(None, defaults)
-        except ValueError as exc:
-            raise OpenAIError(400, str(exc), param=_param_of(str(exc))) from None
+        # raises OpenAIError (400 naming the field) for values SamplingParams rejects
+        return body.to_sampling_params(None, defaults)
 
     async def _final(self, sub: _Sub, params: SamplingParams) -> RequestOutput:
         final = None
@@ -342,9 +340,3 @@ def _chat_logprobs(c: CompletionOutput, top_k: int) -> dict[str, Any]:
         ranked = sorted(entry.values(), key=lambda lp: lp.rank)
         content.append({**item(entry[token_id]), "top_logprobs": [item(lp) for lp in ranked[:top_k]]})
     return {"content": content}
-
-
-def _param_of(message: str) -> Optional[str]:
-    """SamplingParams' messages start with the parameter name ("top_p must be ...")."""
-    word = message.split(" ", 1)[0].strip(".,:")
-    return word if word.replace("_", "").isalnum() and word.islower() else None
