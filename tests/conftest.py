@@ -10,6 +10,15 @@ import os
 
 import pytest
 
+# Triton decides at decoration time whether a kernel is compiled or interpreted, so the switch must be
+# set before any kernel module is imported. Without a GPU the kernels run on CPU tensors in the
+# interpreter (slow: kernel tests use small shapes); with one they are compiled for real.
+if "TRITON_INTERPRET" not in os.environ:
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
+
 
 def cuda_available() -> bool:
     """Whether torch sees a CUDA device (torch is imported only when a gpu test is about to run)."""

@@ -50,6 +50,7 @@ def test_malformed_sources_name_the_field(text: str) -> None:
     [
         ({"autoscaling": {"enabled": True, "minReplicas": 3, "maxReplicas": 2}}, "spec.autoscaling.minReplicas"),
         ({"gpus": 0, "quantization": "awq"}, "spec.quantization"),
+        ({"gpus": 1, "quantization": "int8"}, "spec.quantization"),
         (
             {"gpus": 1, "loraAdapters": [{"name": "a", "source": "x/a"}, {"name": "a", "source": "x/b"}]},
             "spec.loraAdapters[1].name",

@@ -15,6 +15,7 @@ from pagoda.config import (
     DEFAULT_GPU_MEMORY_UTILIZATION,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_SEQS,
+    QUANTIZATIONS,
     EngineArgs,
 )
 
@@ -32,6 +33,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="weights and activations; auto: the checkpoint's dtype",
     )
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: CUDA when available")
+    parser.add_argument(
+        "--quantization",
+        "-q",
+        default=None,
+        choices=list(QUANTIZATIONS),
+        help="int8: weight-only int8 with per-output-channel scales (CPU; half the weight bytes of bf16)",
+    )
     parser.add_argument("--max-model-len", type=int, default=None, help="default: the model's max_position_embeddings")
     parser.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help="tokens per KV block")
     parser.add_argument(
@@ -69,7 +77,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         choices=["auto", "vllm"],
         help="auto: the model's generation_config.json sets default sampling params; vllm: ignore it",
     )
-    parser.add_argument("--attention-backend", default="auto", choices=["auto", "torch"], help="attention kernels")
+    parser.add_argument(
+        "--attention-backend",
+        default="auto",
+        choices=["auto", "torch", "triton"],
+        help="attention kernels; auto: triton on CUDA, torch on CPU",
+    )
+    parser.add_argument(
+        "--enforce-eager", action="store_true", help="run every step eagerly (no CUDA graphs for decode steps)"
+    )
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log level")
 
 
@@ -95,6 +111,8 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
         chat_template=chat_template,
         generation_config=ns.generation_config,
         attention_backend=ns.attention_backend,
+        enforce_eager=ns.enforce_eager,
+        quantization=ns.quantization,
     )
 
 
@@ -172,8 +190,6 @@ def _reject_unsupported(ns: argparse.Namespace) -> None:
     """Flags of later features: parsed (so deployments can already set them) but refused clearly."""
     if ns.tensor_parallel_size != 1:
         raise ValueError("--tensor-parallel-size > 1 is not supported yet (single-device engine)")
-    if ns.quantization is not None:
-        raise ValueError(f"--quantization {ns.quantization} is not supported yet")
     if ns.enable_lora or ns.lora_modules or ns.max_loras is not None or ns.max_lora_rank is not None:
         raise ValueError("LoRA (--enable-lora, --lora-modules, --max-loras, --max-lora-rank) is not supported yet")
 
@@ -200,7 +216,6 @@ def _add_serve_args(serve: argparse.ArgumentParser) -> None:
         help="seconds in-flight requests get to finish after SIGTERM",
     )
     serve.add_argument("--tensor-parallel-size", type=int, default=1, help="not supported yet beyond 1")
-    serve.add_argument("--quantization", default=None, help="not supported yet")
     serve.add_argument("--enable-lora", action="store_true", help="not supported yet")
     serve.add_argument("--lora-modules", nargs="*", default=None, help="not supported yet")
     serve.add_argument("--max-loras", type=int, default=None, help="not supported yet")

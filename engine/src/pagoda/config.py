@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Optional, Union
 
 DEFAULT_BLOCK_SIZE = 16
+QUANTIZATIONS = ("int8",)  # weight-only int8 with per-output-channel scales (CPU)
 DEFAULT_MAX_NUM_SEQS = 256
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 DEFAULT_CPU_KV_CACHE_MEMORY = 4 * 1024**3
@@ -57,7 +58,9 @@ class EngineArgs:
     seed: int = 0
     chat_template: Optional[str] = None
     generation_config: str = "auto"  # auto: the model's generation_config.json supplies defaults; vllm: ignore it
-    attention_backend: str = "auto"
+    attention_backend: str = "auto"  # auto (triton on CUDA, torch on CPU) | torch | triton
+    enforce_eager: bool = False  # True: never capture CUDA graphs (every step runs eagerly)
+    quantization: Optional[str] = None  # None | int8 (weight-only, per-channel scales; CPU)
 
     def resolved_model_path(self) -> Path:
         path = builtin_model_path() if self.model is None else Path(self.model).expanduser()
@@ -86,10 +89,12 @@ class EngineArgs:
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
         if self.generation_config not in ("auto", "vllm"):
             raise ValueError(f"generation_config must be 'auto' or 'vllm', got {self.generation_config!r}")
-        if self.attention_backend not in ("auto", "torch"):
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ValueError(
-                f"attention_backend must be auto or torch (triton arrives with the GPU path), got {self.attention_backend!r}"
+                f"quantization {self.quantization!r} is not supported (supported: {', '.join(QUANTIZATIONS)})"
             )
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ValueError(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,6 +15,7 @@ from typing import Any, Optional
 from pagoda_operator.constants import DEFAULT_ENGINE_IMAGE
 
 GPU_ONLY_QUANTIZATIONS = frozenset({"awq", "gptq", "fp8", "bitsandbytes"})
+CPU_ONLY_QUANTIZATIONS = frozenset({"int8"})  # the engine's weight-only int8 kernels are CPU kernels
 _HF_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
 _ADAPTER_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*$")
 _PVC_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
@@ -182,6 +183,8 @@ def parse_spec(body: Mapping[str, Any]) -> ModelDeploymentSpec:
     quantization = spec.get("quantization")
     if quantization in GPU_ONLY_QUANTIZATIONS and gpus == 0:
         raise InvalidSpec("spec.quantization", f"{quantization} needs a GPU, but spec.gpus is 0")
+    if quantization in CPU_ONLY_QUANTIZATIONS and gpus > 0:
+        raise InvalidSpec("spec.quantization", f"{quantization} runs on CPU replicas only, but spec.gpus is {gpus}")
     adapters = _parse_adapters(list(spec.get("loraAdapters") or []))
     for key in ("maxLoras", "maxLoraRank"):
         if spec.get(key) is not None and not adapters:

@@ -20,6 +20,7 @@ from pagoda.outputs import RequestOutput
 from pagoda.request import Request, RequestStatus, sequence_id
 from pagoda.sampling_params import SamplingParams
 from pagoda.tokenizer import get_tokenizer
+from pagoda.worker.attention_triton import resolve_attention_backend
 from pagoda.worker.kv_sizing import check_fits, cpu_num_blocks, gpu_num_blocks
 from pagoda.worker.model_runner import ModelRunner
 from pagoda.worker.sampler import validate_for_vocab
@@ -58,7 +59,11 @@ class LLMEngine:
         self.max_model_len = _resolve_max_model_len(args.max_model_len, self.model_config)
         scheduler_config = SchedulerConfig.from_args(args, self.max_model_len)
         torch.manual_seed(args.seed)
-        self.runner = ModelRunner(self.model_config, model_path, self.dtype, self.device)
+        backend = resolve_attention_backend(args.attention_backend, self.device)
+        logger.info("attention backend: %s (%s)", backend, args.attention_backend)
+        self.runner = ModelRunner(
+            self.model_config, model_path, self.dtype, self.device, backend, quantization=args.quantization
+        )
         shape = self.runner.kv_cache_shape(args.block_size)
         if self.device.type == "cpu":
             num_blocks = cpu_num_blocks(shape, args.kv_cache_memory, args.max_num_seqs, self.max_model_len)
@@ -70,6 +75,8 @@ class LLMEngine:
             )
             check_fits(num_blocks, shape, self.max_model_len, "raise --gpu-memory-utilization")
         self.runner.allocate_kv_cache(shape, num_blocks)
+        if self.device.type == "cuda" and backend == "triton" and not args.enforce_eager:
+            self.runner.capture_cuda_graphs(args.max_num_seqs, self.max_model_len)
         logger.info(
             "KV cache: %d blocks of %d tokens = %d tokens (%.1f MiB, %s); %.1f sequences of max_model_len=%d fit",
             num_blocks,

@@ -8,6 +8,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagoda.cpu import use_fused_ops
+from pagoda.worker.attention_triton import load_kernel
+
 _ACT_FNS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
     "swish": F.silu,
@@ -29,7 +32,12 @@ class SiluAndMul(nn.Module):
     def __init__(self, act: str = "silu") -> None:
         super().__init__()
         self.act_fn = get_act_fn(act)
+        self.is_silu = self.act_fn is F.silu  # the fused CUDA kernel implements silu only
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [num_tokens, 2 * intermediate]
+        if self.is_silu and use_fused_ops(x):
+            return torch.ops.pagoda_cpu.silu_and_mul(x)
+        if x.is_cuda and self.is_silu and (fused := load_kernel("activation", "silu_and_mul")) is not None:
+            return fused(x)  # one pass over x instead of three elementwise kernels
         gate, up = x.chunk(2, dim=-1)  # each: [num_tokens, intermediate]
         return self.act_fn(gate) * up

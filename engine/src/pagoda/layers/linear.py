@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Optional
 
 import torch
@@ -11,7 +11,11 @@ from torch import nn
 
 
 class Linear(nn.Module):
-    """y = x W^T + b. Storage is left uninitialised: every value is overwritten by the loader."""
+    """y = x W^T + b. Storage is left uninitialised: every value is overwritten by the loader.
+
+    After loading, :func:`pagoda.layers.linear_kernels.prepare_linear_layers` may hand the layer a
+    kernel (a prepacked or quantized copy of the weight); the plain weight is then released.
+    """
 
     def __init__(
         self,
@@ -32,12 +36,22 @@ class Linear(nn.Module):
         self.bias: Optional[nn.Parameter] = (
             nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
         )
+        self.kernel: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+
+    def set_kernel(self, kernel: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Multiply with ``kernel`` from now on and drop this layer's reference to the plain weight
+        (a tied embedding keeps its own reference)."""
+        self.kernel = kernel
+        self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [num_tokens, in] -> [num_tokens, out]
+        if self.kernel is not None:
+            return self.kernel(x)
         return F.linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}"
+        kernel = "" if self.kernel is None else f", kernel={getattr(self.kernel, 'name', 'custom')}"
+        return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}{kernel}"
 
 
 class Embedding(nn.Module):

@@ -8,7 +8,9 @@ from typing import Optional
 import torch
 from torch import nn
 
+from pagoda.cpu import use_fused_ops
 from pagoda.model_config import RopeScaling
+from pagoda.worker.attention_triton import load_kernel
 
 
 def compute_inv_freq(head_dim: int, theta: float, scaling: Optional[RopeScaling]) -> torch.Tensor:
@@ -65,7 +67,15 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x: [num_tokens, num_heads, head_dim] by cos/sin: [num_tokens, head_dim] (activation dtype)."""
+    """Rotate x: [num_tokens, num_heads, head_dim] by cos/sin: [num_tokens, head_dim] (activation dtype).
+
+    On the CPU (16-bit) and on CUDA one fused op does the work, rounding each product to the dtype
+    before the add exactly as the expression below does.
+    """
+    if use_fused_ops(x):
+        return torch.ops.pagoda_cpu.rotary(x, cos, sin)  # one op, the same rounding steps as below
+    if x.is_cuda and (fused := load_kernel("rotary", "apply_rotary")) is not None:
+        return fused(x, x[:, :0], cos, sin)[0]  # the kernel rotates q and k; here k has no heads
     cos = cos.unsqueeze(1)  # [num_tokens, 1, head_dim]
     sin = sin.unsqueeze(1)
     return (x * cos) + (_rotate_half(x) * sin)

@@ -11,7 +11,6 @@ from collections.abc import Iterable
 from typing import NamedTuple, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagoda.layers import Attention, Embedding, Linear, MergedLinear, RMSNorm, RotaryEmbedding, SiluAndMul, apply_rotary
@@ -83,7 +82,7 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm block. Residual adds stay unfused so bf16 rounding matches transformers."""
+    """Pre-norm block; each residual add is fused into the following norm with transformers' rounding."""
 
     def __init__(self, attn: LlamaAttention, config: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
@@ -94,18 +93,23 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(
         self,
-        hidden: torch.Tensor,  # [num_tokens, hidden]
+        hidden: torch.Tensor,  # [num_tokens, hidden]: the previous layer's MLP output (or the embeddings)
+        residual: Optional[torch.Tensor],  # [num_tokens, hidden]: the stream before that output; None at layer 0
         cos: torch.Tensor,
         sin: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
-    ) -> torch.Tensor:  # [num_tokens, hidden]
-        residual = hidden
-        hidden = self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, meta)
-        hidden = residual + hidden
-        residual = hidden
-        hidden = self.mlp(self.post_attention_layernorm(hidden))
-        return residual + hidden
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (this layer's MLP output, the residual stream it adds to)
+        # Each residual add is fused into the norm that follows it; the sum is rounded to the
+        # activation dtype before the norm, exactly as transformers' separate add does.
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, cos, sin, kv_cache, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaModel(nn.Module):
@@ -158,14 +162,15 @@ class LlamaForCausalLM(nn.Module):
             self.attn_backend.prepare(attn_meta)  # once per step, shared by all layers
         hidden = self.model.embed_tokens(input_ids)  # [num_tokens, hidden]
         cos, sin = self.model.rotary_emb(positions, hidden.dtype)  # each [num_tokens, head_dim]
+        residual: Optional[torch.Tensor] = None
         for layer, kv_cache in zip(self.model.layers, kv_caches):
-            hidden = layer(hidden, cos, sin, kv_cache, attn_meta)
-        return self.model.norm(hidden)
+            hidden, residual = layer(hidden, residual, cos, sin, kv_cache, attn_meta)
+        return self.model.norm(hidden, residual)[0]
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [n, hidden] -> logits [n, vocab] float32 (the GEMM runs in the model dtype, as in HF)."""
-        return F.linear(hidden, self.lm_head.weight).float()
+        return self.lm_head(hidden).float()
 
     @torch.inference_mode()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

@@ -5,14 +5,24 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import torch
 
 from pagoda.core.scheduler_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from pagoda.layers.linear_kernels import prepare_linear_layers
 from pagoda.loader import load_model
 from pagoda.model_config import ModelConfig
 from pagoda.request import Request
-from pagoda.worker.attention import AttentionMetadata, TorchAttentionBackend, build_metadata, token_positions
+from pagoda.worker.attention import (
+    AttentionBackend,
+    AttentionMetadata,
+    TorchAttentionBackend,
+    build_metadata,
+    token_positions,
+)
+from pagoda.worker.attention_triton import TritonAttentionBackend
+from pagoda.worker.cuda_graphs import DecodeCudaGraphs
 from pagoda.worker.kv_sizing import KVCacheShape
 from pagoda.worker.sampler import Sampler, SamplingRow, compute_prompt_logprobs
 
@@ -34,12 +44,26 @@ class StepInputs:
 class ModelRunner:
     """Owns the model, the KV cache tensors, the attention backend and the sampler."""
 
-    def __init__(self, model_config: ModelConfig, model_path: Path, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        model_path: Path,
+        dtype: torch.dtype,
+        device: torch.device,
+        attention_backend: str = "torch",
+        quantization: Optional[str] = None,
+    ) -> None:
+        """``attention_backend`` is a resolved name, 'torch' or 'triton' (see ``resolve_attention_backend``)."""
         self.model_config = model_config
         self.dtype = dtype
         self.device = device
-        self.attn_backend = TorchAttentionBackend()
+        assert attention_backend in ("torch", "triton"), attention_backend
+        self.attn_backend: AttentionBackend = (
+            TritonAttentionBackend() if attention_backend == "triton" else TorchAttentionBackend()
+        )
+        self.cuda_graphs: Optional[DecodeCudaGraphs] = None
         self.model = load_model(model_path, self.attn_backend, dtype, device, model_config)
+        self.linear_kernels = prepare_linear_layers(self.model, device, dtype, quantization)
         self.sampler = Sampler()
         self.kv_caches: list[torch.Tensor] = []
         self.kv_shape: KVCacheShape | None = None
@@ -61,8 +85,7 @@ class ModelRunner:
         """Run the model over every scheduled token and sample where a sequence reaches its end."""
         self._copy_blocks(plan.block_copies)
         inputs = self._prepare_inputs(plan.scheduled)
-        self.attn_backend.prepare(inputs.meta)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        hidden = self._forward(inputs)
         out = ModelRunnerOutput()
         self._prompt_logprobs(hidden, inputs, out)
         if not inputs.sample_requests:
@@ -123,6 +146,20 @@ class ModelRunner:
             sample_indices=sample_indices,
             prompt_logprob_spans=spans,
         )
+
+    def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
+        """Capture the decode forward for the batch sizes up to ``max_num_seqs`` (after the KV cache exists)."""
+        assert self.kv_caches, "allocate the KV cache before capturing"
+        assert self.device.type == "cuda" and isinstance(self.attn_backend, TritonAttentionBackend)
+        self.cuda_graphs = DecodeCudaGraphs(self.model, self.kv_caches, max_num_seqs, max_model_len)
+        self.cuda_graphs.capture()
+
+    def _forward(self, inputs: StepInputs) -> torch.Tensor:
+        """Hidden states [num_tokens, hidden]: a graph replay for a pure-decode step, else an eager forward."""
+        if self.cuda_graphs is not None and self.cuda_graphs.can_run(inputs.meta):
+            return self.cuda_graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
+        self.attn_backend.prepare(inputs.meta)
+        return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, inputs: StepInputs, out: ModelRunnerOutput) -> None:
         for request, flat_start, count in inputs.prompt_logprob_spans:

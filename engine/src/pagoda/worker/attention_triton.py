@@ -1,0 +1,176 @@
+"""Paged attention through the Triton kernels of ``pagoda_kernels`` (the CUDA path).
+
+Batch shapes and their kernels:
+
+- pure decode (every request has one query token, the steady state and the CUDA-graph path):
+  ``paged_decode_attention``, flash-decoding with the context split over several programs;
+- anything else (prefill chunks, possibly mixed with decodes): ``paged_extend_attention`` over the
+  whole flattened batch. The extend kernel handles one-token rows correctly, so a mixed step is a
+  single launch per layer with no gather of decode rows into a side batch and no scatter of their
+  outputs back; the decodes of a mixed step are few next to the chunk's tokens, so running them
+  without context splitting costs little.
+
+The kernel modules import Triton, so they are imported when this backend is constructed, never by
+merely importing the engine: CPU-only installs never touch Triton.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+import os
+from collections.abc import Callable
+from importlib.util import find_spec
+from typing import Any, Optional
+
+import torch
+
+from pagoda.worker.attention import AttentionLayerSpec, AttentionMetadata
+
+logger = logging.getLogger(__name__)
+
+
+def triton_available() -> bool:
+    """Whether Triton and the kernels package can be imported (checked without importing them)."""
+    return find_spec("triton") is not None and find_spec("pagoda_kernels") is not None
+
+
+@functools.cache
+def load_kernel(module: str, name: str) -> Optional[Callable[..., Any]]:
+    """``pagoda_kernels.<module>.<name>``, or None when Triton is not installed (looked up once).
+
+    The fused layers (RMSNorm, rotary, SiluAndMul) call this on their CUDA path only, so CPU runs
+    never import Triton.
+    """
+    if not triton_available():
+        return None
+    return getattr(importlib.import_module(f"pagoda_kernels.{module}"), name)
+
+
+def check_triton_usable(device: torch.device) -> None:
+    """Raise ValueError when the Triton backend cannot run on ``device``.
+
+    On CPU the kernels only run in Triton's interpreter, which is slow and meant for tests, so it
+    must be asked for explicitly with ``TRITON_INTERPRET=1`` (set before the kernels are imported).
+    """
+    if not triton_available():
+        raise ValueError(
+            "attention_backend 'triton' needs the triton and pagoda-kernels packages; install them "
+            "(pip install ./kernels) or use attention_backend 'torch'"
+        )
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(
+            "attention_backend 'triton' needs a CUDA device; on CPU use 'torch' (or 'auto'). "
+            "Running the kernels on CPU in Triton's interpreter (TRITON_INTERPRET=1) is for tests only"
+        )
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"attention_backend 'triton' runs on CUDA devices, not {device.type!r}")
+
+
+def resolve_attention_backend(choice: str, device: torch.device) -> str:
+    """The backend that runs for ``choice`` (auto | torch | triton) on ``device``: 'torch' or 'triton'.
+
+    auto picks triton on CUDA (torch, with a warning, when Triton is not installed) and torch on
+    CPU. An explicit 'triton' that cannot run raises ValueError rather than silently degrading.
+    """
+    if choice == "torch":
+        return "torch"
+    if choice == "triton":
+        check_triton_usable(device)
+        return "triton"
+    assert choice == "auto", choice
+    if device.type != "cuda":
+        return "torch"
+    if not triton_available():
+        logger.warning("Triton is not installed: using the (slower) torch attention backend on CUDA")
+        return "torch"
+    return "triton"
+
+
+class TritonAttentionBackend:
+    """Writes K/V with ``write_kv`` and attends with the paged decode/extend kernels.
+
+    Per-step device tensors are built once by :meth:`prepare`. Eager decode steps let the kernel size
+    its context split from the step's longest context; CUDA graphs fix it (:meth:`decode_state`).
+    """
+
+    name = "triton"
+
+    def __init__(self) -> None:
+        from pagoda_kernels.decode_attention import paged_decode_attention
+        from pagoda_kernels.extend_attention import paged_extend_attention
+        from pagoda_kernels.kv_write import write_kv
+
+        self._decode = paged_decode_attention
+        self._extend = paged_extend_attention
+        self._write_kv = write_kv
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        """Build the int32 block tables, context lengths and (for prefill) query offsets on the device."""
+        device = meta.block_tables.device
+        state = meta.backend_state
+        state["block_tables"] = meta.block_tables.to(torch.int32)  # [num_reqs, max_blocks]
+        state["seq_lens"] = torch.tensor(meta.seq_lens, dtype=torch.int32).to(device, non_blocking=True)
+        state["max_seq_len"] = max(meta.seq_lens)
+        state["num_splits"] = None  # the kernel's heuristic from max_seq_len
+        state["decode"] = meta.num_tokens == meta.num_reqs  # every request has exactly one query token
+        if not state["decode"]:
+            state["query_start_loc"] = torch.tensor(meta.query_start_loc, dtype=torch.int32).to(
+                device, non_blocking=True
+            )  # [num_reqs + 1]
+            state["max_query_len"] = max(meta.query_len(i) for i in range(meta.num_reqs))
+
+    @staticmethod
+    def decode_state(
+        block_tables: torch.Tensor, seq_lens: torch.Tensor, num_splits: Optional[int]
+    ) -> dict[str, object]:
+        """State of a pure-decode step over preallocated device tensors (CUDA-graph buffers).
+
+        block_tables: [batch, max_blocks] int32; seq_lens: [batch] int32 (0 marks a padding row).
+        The longest context is left unknown so nothing in the step depends on host-side values.
+        """
+        return {
+            "block_tables": block_tables,
+            "seq_lens": seq_lens,
+            "max_seq_len": None,
+            "num_splits": num_splits,
+            "decode": True,
+        }
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        meta: AttentionMetadata,
+        spec: AttentionLayerSpec,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        """Write this step's K/V (slots < 0 are skipped), then attend over each request's context."""
+        state = meta.backend_state
+        self._write_kv(k, v, kv_cache, meta.slot_mapping)
+        out = torch.empty_like(q)
+        if state["decode"]:
+            return self._decode(
+                q,
+                kv_cache,
+                state["block_tables"],
+                state["seq_lens"],
+                spec.scale,
+                sliding_window=spec.sliding_window,
+                max_seq_len=state["max_seq_len"],
+                num_splits=state["num_splits"],
+                out=out,
+            )
+        return self._extend(
+            q,
+            kv_cache,
+            state["block_tables"],
+            state["query_start_loc"],
+            state["seq_lens"],
+            state["max_query_len"],
+            spec.scale,
+            sliding_window=spec.sliding_window,
+            out=out,
+        )

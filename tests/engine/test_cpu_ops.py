@@ -1,0 +1,70 @@
+"""The native fused CPU ops (pagoda/cpu/fused_ops.cpp) round exactly like the PyTorch expressions they replace."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagoda.cpu import cpu_ops, use_fused_ops
+
+pytestmark = pytest.mark.skipif(not cpu_ops(), reason="native CPU kernels could not be built (no compiler)")
+DTYPES = [torch.bfloat16, torch.float16]
+
+
+def _rms_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.float()
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _fraction_equal(a: torch.Tensor, b: torch.Tensor) -> float:
+    assert a.shape == b.shape and a.dtype == b.dtype
+    return float((a == b).float().mean())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 3, 64])
+def test_rms_norm_and_fused_residual_add(dtype: torch.dtype, rows: int) -> None:
+    torch.manual_seed(rows)
+    x, residual = torch.randn(rows, 1000).to(dtype), torch.randn(rows, 1000).to(dtype)
+    weight = torch.randn(1000).to(dtype)
+    # the float32 sum of squares may be ordered differently: allow a rare last-bit difference
+    assert _fraction_equal(torch.ops.pagoda_cpu.rms_norm(x, weight, 1e-6), _rms_reference(x, weight, 1e-6)) > 0.999
+    normed, summed = torch.ops.pagoda_cpu.fused_add_rms_norm(x, residual, weight, 1e-6)
+    assert torch.equal(summed, x + residual)
+    assert _fraction_equal(normed, _rms_reference(x + residual, weight, 1e-6)) > 0.999
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_over_heads_of_a_strided_qkv_view(dtype: torch.dtype) -> None:
+    qkv = torch.randn(5, (4 + 2 + 2) * 16).to(dtype)
+    k = qkv[:, 64:96].view(5, 2, 16)  # not contiguous: rows are 128 apart
+    weight = torch.randn(16).to(dtype)
+    assert _fraction_equal(torch.ops.pagoda_cpu.rms_norm(k, weight, 1e-6), _rms_reference(k, weight, 1e-6)) > 0.999
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [8, 128])
+def test_rotary_is_bit_identical_to_the_rotate_half_expression(dtype: torch.dtype, head_dim: int) -> None:
+    torch.manual_seed(head_dim)
+    qkv = torch.randn(7, 6 * head_dim).to(dtype)
+    q = qkv[:, : 4 * head_dim].view(7, 4, head_dim)  # a strided view, as the model passes it
+    angles = torch.randn(7, head_dim // 2).repeat(1, 2) * 10
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    half = head_dim // 2
+    rotated = torch.cat((-q[..., half:], q[..., :half]), dim=-1)
+    expected = q * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)
+    assert torch.equal(torch.ops.pagoda_cpu.rotary(q, cos, sin), expected)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul_matches_silu_times_up(dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    x = (torch.randn(9, 2 * 3072) * 4).to(dtype)
+    gate, up = x.chunk(2, dim=-1)
+    assert _fraction_equal(torch.ops.pagoda_cpu.silu_and_mul(x), F.silu(gate) * up) > 0.999
+
+
+def test_fused_ops_serve_16_bit_cpu_activations_only() -> None:
+    assert use_fused_ops(torch.zeros(1, dtype=torch.bfloat16))
+    assert not use_fused_ops(torch.zeros(1, dtype=torch.float32))  # float32 stays on PyTorch, bit-exact to HF
