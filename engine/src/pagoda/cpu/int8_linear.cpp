@@ -1,83 +1,123 @@
 // Weight-only int8 linear for small batches on x86 CPUs: y[m, n] = scale[n] * sum_k x[m, k] * q[n, k] + bias[n].
 //
-// Decode at small batch is bound by the bytes of weight read per token. The int8 weights are read
-// once per step and widened to fp32 in registers (AVX-512), so a step reads half the bytes of bf16;
-// the activations stay in their own dtype (weight-only: no activation quantization, results do not
-// depend on what else is in the batch). Rows of the output are split across ATen's thread pool,
-// the same pool every other op of the engine uses (no second OpenMP runtime fighting for the cores).
+// Decode at small batch is bound by the bytes of weight read per token: int8 weights halve them
+// against bf16. Widening every weight to float32 costs three AVX-512 instructions per 16 weights,
+// which made a float32 kernel compute bound, so the dot products run on AVX512-VNNI's int16 pairs
+// (vpdpwssd: 32 multiply-adds per instruction) against activations held as 16-bit fixed point per
+// row (see kActMax). Output columns are split across ATen's thread pool, the pool every other op of
+// the engine uses (no second OpenMP runtime fighting for the cores).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <algorithm>
+#include <cmath>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
-#define PAGODA_AVX512 1
+#define PAGODA_VNNI 1
 #endif
 
 namespace {
 
-// Output tile: MB activation rows x NB weight rows, MB * NB independent accumulators in registers
-// (a single accumulator chain would be bound by FMA latency, not by memory).
+// Activations enter the integer dot product as 16-bit fixed point per row: x ~ a * row_scale with
+// |a| <= kActMax. That is finer than bf16's 8-bit mantissa for every value within 2^6 of the row's
+// largest, and it is per row, so a request's result never depends on the rest of its batch.
+// int8 x int16 products are summed in int32 over chunks of kChunk elements (|sum| < 2^31 by
+// construction) and flushed to float32 between chunks.
+constexpr int32_t kActMax = 16383;
+constexpr int64_t kChunk = 256;  // 256 * 16383 * 127 < 2^31
+constexpr int64_t kPrefetch = 1024;  // bytes ahead in each weight row
+
+// acc[m * NB + j] = sum_k a[m, k] * q[j, k] for MB activation rows and NB weight rows.
 template <int MB, int NB>
-inline void tile(const float* x, int64_t K, const int8_t* q, float* acc) {
+inline void tile(const int16_t* a, int64_t K, const int8_t* q, float* acc) {
   int64_t k = 0;
-#ifdef PAGODA_AVX512
-  __m512 vacc[MB][NB];
+#ifdef PAGODA_VNNI
+  const int64_t vector_end = K - K % 32;
+  __m512 facc[MB][NB];
   for (int m = 0; m < MB; ++m)
-    for (int j = 0; j < NB; ++j) vacc[m][j] = _mm512_setzero_ps();
-  for (; k + 16 <= K; k += 16) {
-    __m512 w[NB];
-    for (int j = 0; j < NB; ++j) {
-      __m128i q8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + j * K + k));
-      w[j] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q8));
+    for (int j = 0; j < NB; ++j) facc[m][j] = _mm512_setzero_ps();
+  while (k < vector_end) {
+    const int64_t chunk_end = std::min(vector_end, k + kChunk);
+    __m512i iacc[MB][NB];
+    for (int m = 0; m < MB; ++m)
+      for (int j = 0; j < NB; ++j) iacc[m][j] = _mm512_setzero_si512();
+    for (; k < chunk_end; k += 32) {
+      __m512i w[NB];
+      for (int j = 0; j < NB; ++j) {
+        // NB weight rows are NB separate streams: prefetch each well ahead of use
+        _mm_prefetch(reinterpret_cast<const char*>(q + j * K + k + kPrefetch), _MM_HINT_T0);
+        w[j] = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + j * K + k)));
+      }
+      for (int m = 0; m < MB; ++m) {
+        const __m512i av = _mm512_loadu_si512(a + m * K + k);
+        for (int j = 0; j < NB; ++j) iacc[m][j] = _mm512_dpwssd_epi32(iacc[m][j], av, w[j]);
+      }
     }
-    for (int m = 0; m < MB; ++m) {
-      __m512 xv = _mm512_loadu_ps(x + m * K + k);
-      for (int j = 0; j < NB; ++j) vacc[m][j] = _mm512_fmadd_ps(w[j], xv, vacc[m][j]);
-    }
+    for (int m = 0; m < MB; ++m)
+      for (int j = 0; j < NB; ++j) facc[m][j] = _mm512_add_ps(facc[m][j], _mm512_cvtepi32_ps(iacc[m][j]));
   }
   for (int m = 0; m < MB; ++m)
-    for (int j = 0; j < NB; ++j) acc[m * NB + j] = _mm512_reduce_add_ps(vacc[m][j]);
+    for (int j = 0; j < NB; ++j) acc[m * NB + j] = _mm512_reduce_add_ps(facc[m][j]);
 #else
   for (int i = 0; i < MB * NB; ++i) acc[i] = 0.0f;
 #endif
-  for (; k < K; ++k)
+  for (; k < K; ++k)  // the tail, or everything without AVX-512 VNNI
     for (int m = 0; m < MB; ++m)
-      for (int j = 0; j < NB; ++j) acc[m * NB + j] += x[m * K + k] * static_cast<float>(q[j * K + k]);
+      for (int j = 0; j < NB; ++j)
+        acc[m * NB + j] += static_cast<float>(static_cast<int32_t>(a[m * K + k]) * static_cast<int32_t>(q[j * K + k]));
 }
 
+// Output columns [col, col + width) for activation rows [m0, m0 + MB).
 template <int MB, int NB, typename scalar_t>
-void rows_block(const float* x, int64_t m0, int64_t K, const int8_t* q, const float* scales, const float* bias,
-                scalar_t* y, int64_t N, int64_t n_begin, int64_t n_end) {
-  float acc[MB * NB];
-  int64_t n = n_begin;
-  for (; n + NB <= n_end; n += NB) {
-    tile<MB, NB>(x + m0 * K, K, q + n * K, acc);
-    for (int m = 0; m < MB; ++m)
-      for (int j = 0; j < NB; ++j) {
-        const float b = bias != nullptr ? bias[n + j] : 0.0f;
-        y[(m0 + m) * N + n + j] = static_cast<scalar_t>(acc[m * NB + j] * scales[n + j] + b);
-      }
-  }
-  for (; n < n_end; ++n) {  // fewer than NB columns left
-    tile<MB, 1>(x + m0 * K, K, q + n * K, acc);
-    for (int m = 0; m < MB; ++m) {
-      const float b = bias != nullptr ? bias[n] : 0.0f;
-      y[(m0 + m) * N + n] = static_cast<scalar_t>(acc[m] * scales[n] + b);
+inline void store_tile(const float* acc, const float* row_scale, int64_t m0, const float* scales, const float* bias,
+                       scalar_t* y, int64_t N, int64_t col) {
+  for (int m = 0; m < MB; ++m)
+    for (int j = 0; j < NB; ++j) {
+      const float b = bias != nullptr ? bias[col + j] : 0.0f;
+      const float value = acc[m * NB + j] * (scales[col + j] * row_scale[m0 + m]) + b;
+      y[(m0 + m) * N + col + j] = static_cast<scalar_t>(value);
     }
+}
+
+// Columns [col, col + NB) for every activation row: the NB weight rows are read from memory once
+// and stay in L1 while each pair of activation rows passes over them.
+template <int NB, typename scalar_t>
+void columns(const int16_t* a, const float* row_scale, int64_t M, int64_t K, const int8_t* q, const float* scales,
+             const float* bias, scalar_t* y, int64_t N, int64_t col) {
+  float acc[2 * NB];
+  int64_t m0 = 0;
+  for (; m0 + 2 <= M; m0 += 2) {
+    tile<2, NB>(a + m0 * K, K, q + col * K, acc);
+    store_tile<2, NB>(acc, row_scale, m0, scales, bias, y, N, col);
+  }
+  if (m0 < M) {
+    tile<1, NB>(a + m0 * K, K, q + col * K, acc);
+    store_tile<1, NB>(acc, row_scale, m0, scales, bias, y, N, col);
+  }
+}
+
+// Per row: a = round(x / s) with s = max|x| / kActMax (s = 0 for an all-zero row).
+void quantize_rows(const float* x, int64_t M, int64_t K, int16_t* a, float* row_scale) {
+  for (int64_t m = 0; m < M; ++m) {
+    float amax = 0.0f;
+    for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::abs(x[m * K + k]));
+    const float inv = amax > 0.0f ? kActMax / amax : 0.0f;
+    row_scale[m] = amax / kActMax;
+    for (int64_t k = 0; k < K; ++k) a[m * K + k] = static_cast<int16_t>(std::nearbyint(x[m * K + k] * inv));
   }
 }
 
 template <typename scalar_t>
-void int8_linear_kernel(const float* x, int64_t M, int64_t K, const int8_t* q, const float* scales,
-                        const float* bias, scalar_t* y, int64_t N) {
+void int8_linear_kernel(const int16_t* a, const float* row_scale, int64_t M, int64_t K, const int8_t* q,
+                        const float* scales, const float* bias, scalar_t* y, int64_t N) {
   // Grain: enough columns per task that a task streams a few hundred KB of weights.
   const int64_t grain = std::max<int64_t>(16, (1 << 18) / std::max<int64_t>(K, 1));
   at::parallel_for(0, N, grain, [&](int64_t n_begin, int64_t n_end) {
-    int64_t m0 = 0;
-    for (; m0 + 4 <= M; m0 += 4) rows_block<4, 4>(x, m0, K, q, scales, bias, y, N, n_begin, n_end);
-    for (; m0 + 2 <= M; m0 += 2) rows_block<2, 4>(x, m0, K, q, scales, bias, y, N, n_begin, n_end);
-    for (; m0 < M; ++m0) rows_block<1, 4>(x, m0, K, q, scales, bias, y, N, n_begin, n_end);
+    int64_t n = n_begin;
+    for (; n + 4 <= n_end; n += 4) columns<4>(a, row_scale, M, K, q, scales, bias, y, N, n);
+    for (; n < n_end; ++n) columns<1>(a, row_scale, M, K, q, scales, bias, y, N, n);
   });
 }
 
@@ -90,6 +130,9 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
   TORCH_CHECK(x.size(-1) == K, "x has ", x.size(-1), " features, the weight ", K);
   auto x2 = x.reshape({-1, K}).to(at::kFloat).contiguous();  // [M, K] fp32 (a few KB at decode)
   const int64_t M = x2.size(0);
+  auto a = at::empty({M, K}, x.options().dtype(at::kShort));
+  auto row_scale = at::empty({M}, x.options().dtype(at::kFloat));
+  quantize_rows(x2.data_ptr<float>(), M, K, a.data_ptr<int16_t>(), row_scale.data_ptr<float>());
   auto q = qweight.contiguous();
   auto s = scales.contiguous();
   at::Tensor b;
@@ -98,8 +141,9 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
   out_sizes.back() = N;
   auto y = at::empty({M, N}, x.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "int8_linear", [&] {
-    int8_linear_kernel<scalar_t>(x2.data_ptr<float>(), M, K, q.data_ptr<int8_t>(), s.data_ptr<float>(),
-                                 b.defined() ? b.data_ptr<float>() : nullptr, y.data_ptr<scalar_t>(), N);
+    int8_linear_kernel<scalar_t>(a.data_ptr<int16_t>(), row_scale.data_ptr<float>(), M, K, q.data_ptr<int8_t>(),
+                                 s.data_ptr<float>(), b.defined() ? b.data_ptr<float>() : nullptr,
+                                 y.data_ptr<scalar_t>(), N);
   });
   return y.view(out_sizes);
 }
