@@ -90,6 +90,7 @@ def build_generate(args: argparse.Namespace) -> tuple[protocol.GenerateFn, str]:
         enforce_eager=not args.no_eager,
         seed=0,
         skip_tokenizer_init=True,
+        enable_prefix_caching=False,  # prompts repeat across timed runs: measure real prefill every time
     )
     protocol.progress(f"vLLM {vllm.__version__} loaded {args.model} in {time.perf_counter() - started:.1f} s")
 

@@ -160,6 +160,8 @@ class TorchAttentionBackend:
             valid = pos.unsqueeze(0) < lens.unsqueeze(1)
             state["decode_index"] = torch.where(valid, index, 0)
             state["decode_valid"] = valid
+            # every row sees its whole gathered context: no mask at all (SDPA's fastest path)
+            state["decode_unmasked"] = bool(valid.all()) if device.type == "cpu" else False
             state["decode_lens"] = lens
             state["decode_query_index"] = torch.tensor(
                 [meta.query_start_loc[i] for i in decode_rows], dtype=torch.int64, device=device
@@ -181,6 +183,8 @@ class TorchAttentionBackend:
         value_cache.index_copy_(0, meta.slot_mapping, v)
 
         state = meta.backend_state
+        if not state["prefill_rows"]:  # pure decode: rows are the decodes in order, no scatter needed
+            return self._decode(q, key_cache, value_cache, state, spec)
         out = torch.empty_like(q)
         for i in state["prefill_rows"]:
             start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
@@ -195,20 +199,38 @@ class TorchAttentionBackend:
             mask = state["masks"][key]
             out[start:end] = _sdpa(q[start:end].unsqueeze(0), ctx_k.unsqueeze(0), ctx_v.unsqueeze(0), mask, spec)[0]
         if state["decode_rows"]:
-            index, valid = state["decode_index"], state["decode_valid"]
-            ctx_k, ctx_v = key_cache[index], value_cache[index]  # [num_decodes, max_len, kv_heads, dim]
-            mask = valid
-            if spec.sliding_window is not None:
-                mask = state["masks"].get(spec.sliding_window)
-                if mask is None:
-                    pos = torch.arange(valid.shape[1], device=valid.device)
-                    first = (state["decode_lens"] - spec.sliding_window).unsqueeze(1)
-                    mask = valid & (pos.unsqueeze(0) >= first)
-                    state["masks"][spec.sliding_window] = mask
             rows = state["decode_query_index"]
-            dec = _sdpa(q[rows].unsqueeze(1), ctx_k, ctx_v, mask[:, None, None, :], spec)
-            out[rows] = dec[:, 0]
+            out[rows] = self._decode(q[rows], key_cache, value_cache, state, spec)
         return out
+
+    @staticmethod
+    def _decode(
+        q: torch.Tensor,  # [num_decodes, num_heads, head_dim]
+        key_cache: torch.Tensor,  # [num_slots, num_kv_heads, head_dim]
+        value_cache: torch.Tensor,
+        state: dict[str, Any],
+        spec: AttentionLayerSpec,
+    ) -> torch.Tensor:  # [num_decodes, num_heads, head_dim]
+        index, valid = state["decode_index"], state["decode_valid"]
+        ctx_k, ctx_v = key_cache[index], value_cache[index]  # [num_decodes, max_len, kv_heads, dim]
+        if spec.sliding_window is None and state["decode_unmasked"]:
+            out = F.scaled_dot_product_attention(
+                q.unsqueeze(2),  # [num_decodes, num_heads, 1, head_dim]
+                ctx_k.transpose(1, 2),
+                ctx_v.transpose(1, 2),
+                scale=spec.scale,
+                enable_gqa=spec.num_heads != spec.num_kv_heads,
+            )
+            return out[:, :, 0]
+        mask = valid
+        if spec.sliding_window is not None:
+            mask = state["masks"].get(spec.sliding_window)
+            if mask is None:
+                pos = torch.arange(valid.shape[1], device=valid.device)
+                first = (state["decode_lens"] - spec.sliding_window).unsqueeze(1)
+                mask = valid & (pos.unsqueeze(0) >= first)
+                state["masks"][spec.sliding_window] = mask
+        return _sdpa(q.unsqueeze(1), ctx_k, ctx_v, mask[:, None, None, :], spec)[:, 0]
 
 
 def _context_slots(block_table: torch.Tensor, seq_len: int, block_size: int) -> torch.Tensor:
