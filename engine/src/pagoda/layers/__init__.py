@@ -4,7 +4,7 @@ from pagoda.layers.activation import SiluAndMul, get_act_fn
 from pagoda.layers.attention import Attention
 from pagoda.layers.linear import Embedding, Linear, MergedLinear
 from pagoda.layers.norm import RMSNorm
-from pagoda.layers.rotary import RotaryEmbedding, apply_rotary, compute_inv_freq
+from pagoda.layers.rotary import RotaryEmbedding, apply_rotary, apply_rotary_qk, compute_inv_freq
 
 __all__ = [
     "Attention",
@@ -15,6 +15,7 @@ __all__ = [
     "RotaryEmbedding",
     "SiluAndMul",
     "apply_rotary",
+    "apply_rotary_qk",
     "compute_inv_freq",
     "get_act_fn",
 ]

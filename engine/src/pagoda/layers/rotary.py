@@ -79,3 +79,15 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     cos = cos.unsqueeze(1)  # [num_tokens, 1, head_dim]
     sin = sin.unsqueeze(1)
     return (x * cos) + (_rotate_half(x) * sin)
+
+
+def apply_rotary_qk(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    cos: torch.Tensor,  # [num_tokens, head_dim]
+    sin: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q and k by the same positions (one Triton launch for both on CUDA)."""
+    if q.is_cuda and (fused := load_kernel("rotary", "apply_rotary")) is not None:
+        return fused(q, k, cos, sin)
+    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)

@@ -13,7 +13,16 @@ from typing import NamedTuple, Optional
 import torch
 from torch import nn
 
-from pagoda.layers import Attention, Embedding, Linear, MergedLinear, RMSNorm, RotaryEmbedding, SiluAndMul, apply_rotary
+from pagoda.layers import (
+    Attention,
+    Embedding,
+    Linear,
+    MergedLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    SiluAndMul,
+    apply_rotary_qk,
+)
 from pagoda.model_config import ModelConfig
 from pagoda.models.weights import load_named_weights
 from pagoda.worker.attention import AttentionBackend, AttentionMetadata
@@ -62,7 +71,7 @@ class LlamaAttention(nn.Module):
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [num_tokens, num_kv_heads, head_dim]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         q, k = self.normalize_qk(q, k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = apply_rotary_qk(q, k, cos, sin)
         out = self.attn(q, k, v, kv_cache, meta)  # [num_tokens, num_heads, head_dim]
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 

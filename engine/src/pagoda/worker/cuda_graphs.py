@@ -16,6 +16,7 @@ itself, so every decode batch the scheduler can plan has a graph).
 from __future__ import annotations
 
 import bisect
+import contextlib
 import logging
 import time
 from collections import Counter
@@ -68,14 +69,21 @@ class DecodeCudaGraphs:
         self.graphs: dict[int, Any] = {}  # size -> torch.cuda.CUDAGraph
         self.outputs: dict[int, torch.Tensor] = {}  # size -> [size, hidden] written by each replay
         self.num_replays: Counter[int] = Counter()  # size -> replays (for metrics and tests)
+        self._stream: Optional[torch.cuda.Stream] = None  # warm-up and capture stream (CUDA only)
 
     def capture(self) -> None:
         """Capture one graph per size, largest first so the smaller ones reuse its memory pool."""
         start = time.perf_counter()
         pool = None
+        # Warm-up and capture share one side stream (as torch.cuda.graph's docs ask), so lazy per-stream
+        # state (e.g. cuBLAS workspaces) is created by the warm-up rather than inside a capture.
+        self._stream = torch.cuda.Stream(self.seq_lens.device) if self.seq_lens.is_cuda else None
+        if self._stream is not None:
+            self._stream.wait_stream(torch.cuda.current_stream())  # the static buffers and caches are zeroed
         for size in reversed(self.sizes):
             meta = self._metadata(size)
-            self._forward(size, meta)  # warm-up: compiles this size's kernels outside the capture
+            with torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext():
+                self._forward(size, meta)  # warm-up: compiles this size's kernels outside the capture
             self.graphs[size], self.outputs[size] = self._capture_one(size, meta, pool)
             pool = self.graphs[size].pool() if pool is None else pool
         if self.seq_lens.is_cuda:
@@ -89,9 +97,9 @@ class DecodeCudaGraphs:
 
     def _capture_one(self, size: int, meta: AttentionMetadata, pool: Optional[tuple]) -> tuple[Any, torch.Tensor]:
         """Capture the forward of ``size`` rows: (graph, its output buffer [size, hidden])."""
-        torch.cuda.synchronize()
+        torch.cuda.synchronize()  # the warm-up on the side stream is done
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
+        with torch.cuda.graph(graph, pool=pool, stream=self._stream):
             out = self._forward(size, meta)
         return graph, out
 
