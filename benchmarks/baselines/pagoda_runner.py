@@ -28,7 +28,6 @@ def main() -> None:
         model=args.model,
         dtype="bfloat16",
         quantization=args.quantization,
-        max_model_len=2048,
         max_num_seqs=max(max_batch, 1),
         enable_prefix_caching=False,  # prompts repeat across timed runs: measure real prefill every time
     )
