@@ -15,6 +15,7 @@ from pagoda.config import EngineArgs, SchedulerConfig
 from pagoda.core.kv_cache_manager import KVCacheManager
 from pagoda.core.scheduler import Scheduler
 from pagoda.engine.output_processor import OutputProcessor
+from pagoda.layers.linear_kernels import validate_quantization
 from pagoda.model_config import ModelConfig, resolve_dtype
 from pagoda.outputs import RequestOutput
 from pagoda.request import Request, RequestStatus, sequence_id
@@ -55,6 +56,7 @@ class LLMEngine:
         self.model_config = ModelConfig.from_model_dir(model_path)
         self.tokenizer = get_tokenizer(args.tokenizer or model_path)
         self.device = _resolve_device(args.device)
+        validate_quantization(args.quantization, self.device)  # before minutes of weight loading
         self.dtype = resolve_dtype(args.dtype, self.model_config, self.device)
         self.max_model_len = _resolve_max_model_len(args.max_model_len, self.model_config)
         scheduler_config = SchedulerConfig.from_args(args, self.max_model_len)

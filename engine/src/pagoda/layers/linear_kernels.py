@@ -60,7 +60,9 @@ INT8_NATIVE_MAX_ROWS = 48
 class Int8WeightOnlyLinear:
     """Weight-only int8: ``q = round(w / scale)`` per output row, ``scale = max|w_row| / 127``.
 
-    Activations are never quantized, so a request's result does not depend on the rest of its batch.
+    Activations are never quantized to 8 bits: the native kernel holds each activation row as 16-bit
+    fixed point with its own scale (finer than bf16's mantissa near the row's maximum), so a
+    request's result does not depend on the rest of its batch.
     """
 
     qweight: torch.Tensor  # [out, in] int8

@@ -69,13 +69,11 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate x: [num_tokens, num_heads, head_dim] by cos/sin: [num_tokens, head_dim] (activation dtype).
 
-    On the CPU (16-bit) and on CUDA one fused op does the work, rounding each product to the dtype
-    before the add exactly as the expression below does.
+    On the CPU in 16-bit dtypes one fused op does the work, rounding each product to the dtype
+    before the add exactly as the expression below does (CUDA: see :func:`apply_rotary_qk`).
     """
     if use_fused_ops(x):
         return torch.ops.pagoda_cpu.rotary(x, cos, sin)  # one op, the same rounding steps as below
-    if x.is_cuda and (fused := load_kernel("rotary", "apply_rotary")) is not None:
-        return fused(x, x[:, :0], cos, sin)[0]  # the kernel rotates q and k; here k has no heads
     cos = cos.unsqueeze(1)  # [num_tokens, 1, head_dim]
     sin = sin.unsqueeze(1)
     return (x * cos) + (_rotate_half(x) * sin)
