@@ -1,4 +1,4 @@
-"""Linear kernels after loading: oneDNN-packed bf16 and weight-only int8 (``--quantization int8``)."""
+"""Linear kernels after loading: native/oneDNN-packed bf16 and weight-only int8 (``--quantization int8``)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,12 @@ from pagoda.cpu import cpu_ops
 from pagoda.layers.linear import Linear
 from pagoda.layers.linear_kernels import (
     INT8_NATIVE_MAX_ROWS,
+    NATIVE_BF16,
+    NATIVE_INT8,
     Int8WeightOnlyLinear,
+    NativeBf16Linear,
     PackedLinear,
+    native_linear_support,
     onednn_packing_available,
     prepare_linear_layers,
     quantize_int8_per_channel,
@@ -43,29 +47,77 @@ def test_per_channel_int8_reconstructs_each_weight_within_half_a_step() -> None:
     assert bool((q[5] == 0).all())
 
 
-@pytest.mark.skipif(not cpu_ops(), reason="native CPU kernels could not be built (no compiler)")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8])
-def test_native_int8_kernel_matches_the_dequantized_product(dtype: torch.dtype, rows: int) -> None:
+needs_native_int8 = pytest.mark.skipif(
+    not cpu_ops() or not native_linear_support(NATIVE_INT8),
+    reason="native int8 kernel unavailable (no compiler or no VNNI)",
+)
+needs_native_bf16 = pytest.mark.skipif(
+    not cpu_ops() or not native_linear_support(NATIVE_BF16),
+    reason="native bf16 kernel unavailable (no compiler or no BF16)",
+)
+# odd shapes: neither a multiple of the 64-row tile nor of the k pair; rows straddle the 6-row pass and
+# the multi-pass k chunking that starts above 6 rows
+ODD_SHAPES = [(37, 83), (64, 64), (130, 600)]
+ROW_COUNTS = [1, 2, 3, 5, 6, 7, 13]
+
+
+def test_packed_layout_round_trips_every_shape() -> None:
+    if not cpu_ops():
+        pytest.skip("native CPU kernels could not be built (no compiler)")
+    for out_features, in_features in ODD_SHAPES:
+        weight = torch.randn(out_features, in_features, dtype=torch.bfloat16)
+        packed = torch.ops.pagoda_cpu.pack_linear_weight(weight)
+        assert packed.shape == (-(-out_features // 64), -(-in_features // 2), 64, 2)
+        assert torch.equal(torch.ops.pagoda_cpu.unpack_linear_weight(packed, out_features, in_features), weight)
+
+
+@needs_native_bf16
+@pytest.mark.parametrize("shape", ODD_SHAPES)
+@pytest.mark.parametrize("rows", ROW_COUNTS)
+def test_native_bf16_kernel_matches_a_float32_product(shape: tuple[int, int], rows: int) -> None:
     torch.manual_seed(rows)
-    out_features, in_features = 37, 83  # neither a multiple of the 4-column tile nor of the 16-lane vector
+    out_features, in_features = shape
+    weight = torch.randn(out_features, in_features, dtype=torch.bfloat16)
+    bias = torch.randn(out_features, dtype=torch.bfloat16)
+    x = torch.randn(2, rows, in_features, dtype=torch.bfloat16)  # leading dims are kept
+    got = NativeBf16Linear.from_weight(weight, bias)(x)
+    want = x.float() @ weight.float().T + bias.float()
+    assert got.dtype == torch.bfloat16 and got.shape == (2, rows, out_features)
+    # float32 sums of exact bf16 products: the only error left is the final rounding to bf16
+    torch.testing.assert_close(got.float(), want, atol=1e-5 * float(want.abs().max()), rtol=2**-8)
+
+
+@needs_native_int8
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", ODD_SHAPES)
+@pytest.mark.parametrize("rows", ROW_COUNTS)
+def test_native_int8_kernel_matches_the_dequantized_product(
+    dtype: torch.dtype, shape: tuple[int, int], rows: int
+) -> None:
+    torch.manual_seed(rows)
+    out_features, in_features = shape
     q, scales = quantize_int8_per_channel(torch.randn(out_features, in_features))
     bias = torch.randn(out_features).to(dtype)
     x = torch.randn(rows, in_features).to(dtype)
-    got = torch.ops.pagoda_cpu.int8_linear(x, q, scales, bias)
+    packed = torch.ops.pagoda_cpu.pack_linear_weight(q)
+    got = torch.ops.pagoda_cpu.int8_linear(x, packed, scales, out_features, bias)
     want = x.float() @ _dequantized(q, scales).T + bias.float()
     assert got.dtype == dtype and got.shape == (rows, out_features)
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), want, atol=tol * float(want.abs().max()), rtol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, INT8_NATIVE_MAX_ROWS, INT8_NATIVE_MAX_ROWS + 1, 3 * INT8_NATIVE_MAX_ROWS])
-def test_int8_layer_gives_the_same_product_on_both_sides_of_the_native_row_limit(rows: int) -> None:
+def test_int8_layer_gives_the_same_product_on_both_sides_of_the_native_row_limit(dtype: torch.dtype, rows: int) -> None:
     torch.manual_seed(0)
     layer = Int8WeightOnlyLinear.from_weight(torch.randn(64, 96), None)
-    x = torch.randn(2, rows, 96)  # leading dims are kept
-    want = x @ _dequantized(layer.qweight, layer.scales).T
-    torch.testing.assert_close(layer(x), want, atol=1e-4 * float(want.abs().max()), rtol=0)
+    x = torch.randn(2, rows, 96).to(dtype)  # leading dims are kept
+    want = x.float() @ _dequantized(layer.dense_qweight(), layer.scales).T
+    got = layer(x)
+    assert got.dtype == dtype and got.shape == (2, rows, 64)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want, atol=tol * float(want.abs().max()), rtol=0)
 
 
 @pytest.mark.skipif(not onednn_packing_available(torch.bfloat16), reason="oneDNN bf16 is not available here")
@@ -84,7 +136,9 @@ def test_prepare_packs_bf16_keeps_fp32_on_torch_and_quantizes_everything_for_int
     assert prepare_linear_layers(fp32, torch.device("cpu"), torch.float32, None) == {"torch-linear": 1 + 2 * 4}
     bf16 = load_model(model_dir, TorchAttentionBackend(), torch.bfloat16)
     counts = prepare_linear_layers(bf16, torch.device("cpu"), torch.bfloat16, None)
-    if onednn_packing_available(torch.bfloat16):
+    if native_linear_support(NATIVE_BF16):
+        assert counts == {"native-bf16": 9}
+    elif onednn_packing_available(torch.bfloat16):
         assert counts == {"onednn-packed": 9}
     int8 = load_model(model_dir, TorchAttentionBackend(), torch.float32)
     assert prepare_linear_layers(int8, torch.device("cpu"), torch.float32, "int8") == {"int8-weight-only": 9}

@@ -18,7 +18,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = ("int8_linear.cpp", "fused_ops.cpp")
+_SOURCES = ("packed_linear.cpp", "fused_ops.cpp")
 
 
 def _build_dir() -> Path:

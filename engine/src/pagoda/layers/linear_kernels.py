@@ -5,11 +5,15 @@ oneDNN re-blocks it on every call; decode at small batch is memory bound, so tha
 third of the achievable bandwidth. After loading, :func:`prepare_linear_layers` replaces each
 layer's weight with a kernel object:
 
-- :class:`PackedLinear`: the weight reordered once into oneDNN's blocked layout (bf16/fp16 on the
-  CPU). Results are bit-identical to ``F.linear`` (the same oneDNN GEMM, minus the reorder).
+- :class:`NativeBf16Linear`: bf16 on CPUs with AVX512-BF16. The weight is repacked into the
+  native kernel's tile layout (:mod:`pagoda.cpu`, ``packed_linear.cpp``), which streams it at
+  close to the machine's read bandwidth at batch 1 and matches oneDNN in compute-bound prefill.
+- :class:`PackedLinear`: the weight reordered once into oneDNN's blocked layout (bf16 without the
+  native kernel, fp16). Results are bit-identical to ``F.linear`` (the same oneDNN GEMM, minus the
+  reorder).
 - :class:`Int8WeightOnlyLinear` (``--quantization int8``): symmetric per-output-channel int8
   weights, bf16/fp32 activations, ``y = (x @ q^T) * scale``: half the bytes of bf16 per token,
-  read by a native AVX-512 kernel (:mod:`pagoda.cpu`) at decode batch sizes.
+  read by the native AVX-512 kernel at decode batch sizes.
 
 fp32 on the CPU keeps ``F.linear`` (MKL's sgemm, which oneDNN's packed path does not reproduce
 bit for bit), and so does every dtype on CUDA, where cuBLAS needs no help.
@@ -51,8 +55,37 @@ class PackedLinear:
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
 
 
-# Up to this many rows (measured crossover on a 2-core Zen 4: ~48), the native kernel is faster; above it (prefill),
-# the GEMM is compute bound and dequantizing to the activation dtype feeds oneDNN/MKL instead.
+NATIVE_BF16 = 1  # bits of torch.ops.pagoda_cpu.packed_linear_support()
+NATIVE_INT8 = 2
+
+
+def native_linear_support(kind: int) -> bool:
+    """Whether the compiled native linear kernels of this machine include ``kind`` (a support bit)."""
+    from pagoda.cpu import cpu_ops
+
+    return cpu_ops() and bool(torch.ops.pagoda_cpu.packed_linear_support() & kind)
+
+
+@dataclass(slots=True)
+class NativeBf16Linear:
+    """A bf16 weight in the native kernel's tile layout: [ceil(out/64), ceil(in/2), 64, 2]."""
+
+    packed: torch.Tensor
+    out_features: int
+    bias: Optional[torch.Tensor]  # [out]
+    name: str = "native-bf16"
+
+    @staticmethod
+    def from_weight(weight: torch.Tensor, bias: Optional[torch.Tensor]) -> NativeBf16Linear:
+        packed = torch.ops.pagoda_cpu.pack_linear_weight(weight.detach())
+        return NativeBf16Linear(packed, weight.shape[0], bias)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., in] -> [..., out]
+        return torch.ops.pagoda_cpu.bf16_linear(x, self.packed, self.out_features, self.bias)
+
+
+# Up to this many rows (measured crossover on a 2-core Zen 4: ~48-64), the native int8 kernel is faster; above it
+# (prefill) the GEMM is compute bound, and the int8 tiles widened to bf16 (or a dequantized weight) feed a bf16 GEMM.
 INT8_NATIVE_MAX_ROWS = 48
 
 
@@ -65,26 +98,42 @@ class Int8WeightOnlyLinear:
     request's result does not depend on the rest of its batch.
     """
 
-    qweight: torch.Tensor  # [out, in] int8
+    qweight: torch.Tensor  # native: tile layout [ceil(out/64), ceil(in/2), 64, 2]; else [out, in]; int8
     scales: torch.Tensor  # [out] float32
     bias: Optional[torch.Tensor]  # [out]
-    native: bool  # the compiled small-batch kernel is available
+    native: bool  # qweight is in the native kernel's layout and that kernel serves small batches
+    in_features: int
+    bf16_gemm: bool  # bf16 activations above the native row limit may use the native bf16 kernel
     name: str = "int8-weight-only"
 
     @staticmethod
     def from_weight(weight: torch.Tensor, bias: Optional[torch.Tensor]) -> Int8WeightOnlyLinear:
-        from pagoda.cpu import cpu_ops
-
         qweight, scales = quantize_int8_per_channel(weight)
-        return Int8WeightOnlyLinear(qweight, scales, bias, native=cpu_ops())
+        native = native_linear_support(NATIVE_INT8)
+        if native:
+            qweight = torch.ops.pagoda_cpu.pack_linear_weight(qweight)
+        bf16_gemm = native and native_linear_support(NATIVE_BF16)
+        return Int8WeightOnlyLinear(qweight, scales, bias, native, weight.shape[1], bf16_gemm)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., in] -> [..., out]
         rows = x.numel() // x.shape[-1]
+        out_features = self.scales.shape[0]
         if self.native and rows <= INT8_NATIVE_MAX_ROWS:
-            return torch.ops.pagoda_cpu.int8_linear(x, self.qweight, self.scales, self.bias)
-        # dequantized GEMM: x @ q^T in the activation dtype, then the per-column scale
-        y = torch.nn.functional.linear(x, self.qweight.to(x.dtype)) * self.scales.to(x.dtype)
+            return torch.ops.pagoda_cpu.int8_linear(x, self.qweight, self.scales, out_features, self.bias)
+        if self.native and self.bf16_gemm and x.dtype == torch.bfloat16:
+            # compute bound: widen the packed int8 tiles to bf16 (exact for |q| <= 127, a plain elementwise
+            # copy in the same layout) and run the bf16 kernel, then the per-column scale
+            y = torch.ops.pagoda_cpu.bf16_linear(x, self.qweight.to(torch.bfloat16), out_features, None)
+        else:  # dequantized GEMM: x @ q^T in the activation dtype, then the per-column scale
+            y = torch.nn.functional.linear(x, self.dense_qweight().to(x.dtype))
+        y = y * self.scales.to(x.dtype)
         return y if self.bias is None else y + self.bias
+
+    def dense_qweight(self) -> torch.Tensor:
+        """The int8 weight as [out, in] (a copy when it is stored in the native layout)."""
+        if not self.native:
+            return self.qweight
+        return torch.ops.pagoda_cpu.unpack_linear_weight(self.qweight, self.scales.shape[0], self.in_features)
 
 
 def quantize_int8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -125,11 +174,12 @@ def prepare_linear_layers(
 
     validate_quantization(quantization, device)
     pack = device.type == "cpu" and onednn_packing_available(dtype)
+    native_bf16 = device.type == "cpu" and dtype == torch.bfloat16 and native_linear_support(NATIVE_BF16)
     counts: dict[str, int] = {}
     for layer in model.modules():
         if not isinstance(layer, Linear):
             continue
-        kernel = _kernel_for(layer, pack, quantization)
+        kernel = _kernel_for(layer, pack, native_bf16, quantization)
         if kernel is not None:
             layer.set_kernel(kernel)
         name = kernel.name if kernel is not None else "torch-linear"
@@ -139,11 +189,13 @@ def prepare_linear_layers(
 
 
 def _kernel_for(
-    layer: Linear, pack: bool, quantization: Optional[str]
-) -> Optional[PackedLinear | Int8WeightOnlyLinear]:
+    layer: Linear, pack: bool, native_bf16: bool, quantization: Optional[str]
+) -> Optional[NativeBf16Linear | PackedLinear | Int8WeightOnlyLinear]:
     bias = None if layer.bias is None else layer.bias.detach()
     if quantization == "int8":
         return Int8WeightOnlyLinear.from_weight(layer.weight, bias)
+    if native_bf16:
+        return NativeBf16Linear.from_weight(layer.weight, bias)
     if pack:
         return PackedLinear.from_weight(layer.weight, bias)
     return None
