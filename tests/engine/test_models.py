@@ -8,6 +8,7 @@ decode steps. The reference is always transformers on the same checkpoint.
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 from typing import Any
@@ -102,6 +103,26 @@ def hf_greedy(model: Any, prompt: list[int], max_new_tokens: int) -> list[int]:
     return out[0, len(prompt) :].tolist()
 
 
+def bf16_ulp(x: float) -> float:
+    """Spacing of bf16 values near x (8 significant bits)."""
+    return 2.0 ** (math.floor(math.log2(abs(x))) - 7)
+
+
+def assert_tokens_are_hf_argmax(model: Any, prompt: list[int], tokens: list[int], max_ulps: float = 2) -> None:
+    """Fed ``prompt + tokens``, transformers' top logit at every step is the token or within max_ulps bf16 ulps.
+
+    The bf16 greedy specification: the engine's kernels round differently from transformers' (about
+    one ulp), so free-running greedy texts may part at an exact or near tie; per token they agree.
+    """
+    logits = hf_logits(model, prompt + tokens)[len(prompt) - 1 : -1]  # [len(tokens), vocab]
+    best = logits.max(dim=-1).values
+    chosen = logits[torch.arange(len(tokens)), torch.tensor(tokens)]
+    for step, (top, ours) in enumerate(zip(best.tolist(), chosen.tolist())):
+        assert top - ours <= max_ulps * bf16_ulp(top), (
+            f"step {step}: token {tokens[step]} is {top - ours} below the top"
+        )
+
+
 def random_prompt(length: int, seed: int) -> list[int]:
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(3, 256, (length,), generator=gen).tolist()
@@ -139,7 +160,11 @@ def test_prefill_logits_and_greedy_decode_match_transformers(
     torch.testing.assert_close(logits, hf_logits(ref, prompt), atol=ATOL[dtype], rtol=0)
 
     fresh = PagedRunner(pagoda_model(model_dir, dtype), seed=1)
-    assert fresh.greedy(prompt, 32) == hf_greedy(ref, prompt, 32)
+    tokens = fresh.greedy(prompt, 32)
+    if dtype == torch.float32:
+        assert tokens == hf_greedy(ref, prompt, 32)
+    else:
+        assert_tokens_are_hf_argmax(ref, prompt, tokens)
 
 
 CHUNKED_CASES = {

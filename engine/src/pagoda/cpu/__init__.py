@@ -18,7 +18,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = ("packed_linear.cpp", "fused_ops.cpp")
+_SOURCES = ("packed_linear.cpp", "fused_ops.cpp", "paged_attention.cpp")
 
 
 def _build_dir() -> Path:

@@ -12,11 +12,14 @@ KV cache layout, one tensor per layer: ``[2, num_blocks, block_size, num_kv_head
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Optional, Protocol
 
 import torch
 import torch.nn.functional as F
+
+from pagoda.cpu import use_fused_ops
 
 
 @dataclass(slots=True)
@@ -124,11 +127,29 @@ def build_metadata(
     )
 
 
-class TorchAttentionBackend:
-    """Paged attention in plain PyTorch (the CPU path and the reference for Triton kernels).
+@functools.cache
+def _native_attention_built() -> bool:
+    from pagoda.cpu import cpu_ops
 
-    Decode requests (one query token) are batched into one padded SDPA call; each prefill
-    chunk runs its own SDPA over its gathered context with a causal mask offset by the cached
+    return cpu_ops() and bool(torch.ops.pagoda_cpu.paged_attention_supported())
+
+
+def native_attention_applies(q: torch.Tensor, spec: AttentionLayerSpec) -> bool:
+    """Whether the native CPU kernel (``pagoda/cpu/paged_attention.cpp``) serves this layer.
+
+    16-bit activations only, like the other native ops: float32 runs keep SDPA, which tests hold
+    bit-exact to transformers.
+    """
+    return spec.head_dim % 16 == 0 and spec.head_dim <= 256 and use_fused_ops(q) and _native_attention_built()
+
+
+class TorchAttentionBackend:
+    """Paged attention on the CPU (and the plain-PyTorch reference for the Triton kernels).
+
+    bf16/fp16 layers on an AVX-512 CPU run one native kernel over the whole varlen batch that
+    reads K/V blocks in place through the block tables. Otherwise (float32, or no native build)
+    decode requests (one query token) are batched into one padded SDPA call over their gathered
+    contexts, and each prefill chunk runs its own SDPA with a causal mask offset by the cached
     prefix. All of this step's K/V are written before any request attends, so a request may
     read blocks another request of the same step is filling (prefix-cache hits in one step).
     """
@@ -136,6 +157,19 @@ class TorchAttentionBackend:
     name = "torch"
 
     def prepare(self, meta: AttentionMetadata) -> None:
+        # Which path a layer takes depends on its dtype; each path builds its own state on first use.
+        meta.backend_state["prepared_by"] = self.name
+
+    def _prepare_native(self, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        state = meta.backend_state
+        if "native_lens" not in state:
+            state["native_lens"] = (
+                torch.tensor(meta.query_start_loc, dtype=torch.int64),
+                torch.tensor(meta.seq_lens, dtype=torch.int64),
+            )
+        return state["native_lens"]
+
+    def _prepare_sdpa(self, meta: AttentionMetadata) -> None:
         bs = meta.block_size
         device = meta.block_tables.device
         decode_rows: list[int] = []
@@ -182,7 +216,21 @@ class TorchAttentionBackend:
         key_cache.index_copy_(0, meta.slot_mapping, k)
         value_cache.index_copy_(0, meta.slot_mapping, v)
 
+        if native_attention_applies(q, spec):
+            query_start_loc, seq_lens = self._prepare_native(meta)
+            return torch.ops.pagoda_cpu.paged_attention(
+                q,
+                kv_cache[0],
+                kv_cache[1],
+                meta.block_tables,
+                query_start_loc,
+                seq_lens,
+                spec.scale,
+                spec.sliding_window or 0,
+            )
         state = meta.backend_state
+        if "prefill_rows" not in state:
+            self._prepare_sdpa(meta)
         if not state["prefill_rows"]:  # pure decode: rows are the decodes in order, no scatter needed
             return self._decode(q, key_cache, value_cache, state, spec)
         out = torch.empty_like(q)

@@ -1,0 +1,126 @@
+"""The native CPU paged-attention kernel agrees with the SDPA path of the torch backend.
+
+``pagoda_cpu::paged_attention`` reads K/V blocks in place through the block tables for a whole
+varlen batch (decodes, prefill chunks with cached prefixes, sliding windows, GQA). The reference is
+the same backend with the native kernel switched off: gathered contexts through SDPA.
+"""
+
+import pytest
+import torch
+
+import pagoda.worker.attention as attention
+from pagoda.worker.attention import AttentionLayerSpec, TorchAttentionBackend, build_metadata
+
+pytestmark = pytest.mark.skipif(
+    not attention._native_attention_built(), reason="native CPU kernels unavailable (no compiler or no AVX-512)"
+)
+
+
+def make_step(query_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    needed = [-(-s // block_size) for s in seq_lens]
+    num_blocks = sum(needed) + 3  # spare blocks hold garbage no request may read
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    tables, used = [], 0
+    for n in needed:
+        tables.append(order[used : used + n])
+        used += n
+    tokens = sum(query_lens)
+    q = torch.randn(tokens, num_heads, head_dim, generator=gen).to(dtype)
+    k = torch.randn(tokens, num_kv_heads, head_dim, generator=gen).to(dtype)
+    v = torch.randn(tokens, num_kv_heads, head_dim, generator=gen).to(dtype)
+    kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+    return q, k, v, kv_cache, build_metadata(query_lens, seq_lens, tables, block_size)
+
+
+def attend(step, spec, native: bool, monkeypatch):
+    q, k, v, kv_cache, meta = step
+    cache = kv_cache.clone()
+    backend = TorchAttentionBackend()
+    with monkeypatch.context() as patch:
+        if not native:
+            patch.setattr(attention, "native_attention_applies", lambda q, spec: False)
+        assert attention.native_attention_applies(q, spec) == native
+        backend.prepare(meta)
+        out = backend.forward(q, k, v, cache, meta, spec)
+    return out, cache
+
+
+CASES = {
+    "decodes of uneven lengths": ([1, 1, 1, 1], [1, 17, 40, 97]),
+    "one prefill, no cache": ([45], [45]),
+    "prefill chunks after cached prefixes": ([20, 9], [50, 9 + 33]),
+    "mixed prefill and decodes": ([7, 1, 20, 1], [7, 40, 50, 3]),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("window", [None, 9])
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2), (6, 1)])  # MHA, GQA, MQA
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_native_kernel_matches_sdpa(case, window, heads, dtype, monkeypatch):
+    num_heads, num_kv_heads = heads
+    head_dim = 32
+    spec = AttentionLayerSpec(num_heads, num_kv_heads, head_dim, head_dim**-0.5, window)
+    step = make_step(*CASES[case], num_heads, num_kv_heads, head_dim, block_size=16, dtype=dtype)
+    want, want_cache = attend(step, spec, native=False, monkeypatch=monkeypatch)
+    got, got_cache = attend(step, spec, native=True, monkeypatch=monkeypatch)
+    assert got.dtype == dtype and got.shape == want.shape
+    assert torch.equal(got_cache, want_cache)  # both write this step's K/V through the slot mapping
+    # float32 inside both; the outputs differ by the final rounding to 16 bits (and SDPA's blocking)
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("head_dim", [16, 64, 128, 256])
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+def test_native_kernel_handles_head_sizes_and_block_sizes(head_dim, block_size, monkeypatch):
+    spec = AttentionLayerSpec(4, 2, head_dim, head_dim**-0.5)
+    step = make_step([1, 12, 1], [70, 12, 33], 4, 2, head_dim, block_size, torch.bfloat16, seed=head_dim)
+    want, _ = attend(step, spec, native=False, monkeypatch=monkeypatch)
+    got, _ = attend(step, spec, native=True, monkeypatch=monkeypatch)
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_float32_on_the_op_itself_is_exact_to_float_rounding():
+    # the backend keeps SDPA for float32; the op still accepts it, which pins the kernel's own arithmetic
+    spec = AttentionLayerSpec(4, 2, 32, 32**-0.5, 5)
+    q, k, v, kv_cache, meta = make_step([3, 1], [40, 8], 4, 2, 32, 16, torch.float32)
+    backend = TorchAttentionBackend()
+    backend.prepare(meta)
+    want = backend.forward(q, k, v, kv_cache, meta, spec)  # float32: SDPA path, and the cache now holds k/v
+    got = torch.ops.pagoda_cpu.paged_attention(
+        q,
+        kv_cache[0],
+        kv_cache[1],
+        meta.block_tables,
+        torch.tensor(meta.query_start_loc),
+        torch.tensor(meta.seq_lens),
+        spec.scale,
+        5,
+    )
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_float32_and_odd_head_sizes_keep_sdpa():
+    q = torch.zeros(1, 4, 32, dtype=torch.bfloat16)
+    assert attention.native_attention_applies(q, AttentionLayerSpec(4, 2, 32, 1.0))
+    assert not attention.native_attention_applies(q.float(), AttentionLayerSpec(4, 2, 32, 1.0))
+    assert not attention.native_attention_applies(q[..., :8], AttentionLayerSpec(4, 2, 8, 1.0))
+
+
+def test_bad_shapes_raise_instead_of_reading_out_of_bounds():
+    q, k, v, kv_cache, meta = make_step([1], [20], 4, 2, 32, 16, torch.bfloat16)
+    starts, lens = torch.tensor(meta.query_start_loc), torch.tensor(meta.seq_lens)
+    with pytest.raises(RuntimeError, match="bad lengths"):  # more context than the block table holds
+        torch.ops.pagoda_cpu.paged_attention(q, kv_cache[0], kv_cache[1], meta.block_tables, starts, lens * 10, 1.0, 0)
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        torch.ops.pagoda_cpu.paged_attention(
+            q[..., :8].contiguous(),
+            kv_cache[0][..., :8].contiguous(),
+            kv_cache[1][..., :8].contiguous(),
+            meta.block_tables,
+            starts,
+            lens,
+            1.0,
+            0,
+        )
