@@ -1,12 +1,10 @@
 // Causal attention over the paged KV cache for a flattened varlen batch, reading K/V blocks in place.
 //
 // Gathering each request's context into a contiguous copy and calling SDPA read and wrote every
-// cached K/V byte twice per layer, and SDPA's CPU kernel is slow for single-token queries: at 32
-// decodes of ~160 tokens that was ~4 ms per layer, more than the layer's GEMMs. Here one task is
-// (request, KV head, tile of up to kQueryTile query tokens): the query heads that share the KV head
-// (GQA) and the tile's tokens form the task's rows, so every K/V row is read and widened to float32
-// once per task and used by all its rows. Scores, softmax and the output sum are float32, with an
-// online (streaming) softmax over chunks of kKvChunk context tokens.
+// cached K/V byte twice per layer, and SDPA's CPU kernel is slow for single-token queries. Here one
+// task is (request, KV head, tile of up to kQueryTile query tokens): the query heads that share the KV
+// head (GQA) and the tile's tokens form the task's rows, so every K/V row is read once per task and
+// used by all its rows. The stages (scores, online softmax, V sums) are in paged_attention_stages.h.
 //
 // Each query token at position p (its request has seq_len tokens after this step, the last q_len of
 // them are this step's queries) attends to positions [max(0, p - window + 1), p].
@@ -14,168 +12,138 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include <algorithm>
-#include <cmath>
-#include <limits>
-#include <vector>
-
-#include <immintrin.h>
-
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-#define PAGODA_ATTN_AVX512 1
-#endif
+#include "paged_attention_stages.h"
 
 namespace {
 
-constexpr int64_t kQueryTile = 8;  // query tokens per task (prefill chunks); decode tasks have one
-constexpr int64_t kKvChunk = 32;   // context tokens per online-softmax step
-constexpr int64_t kMaxHeadDim = 256;
-constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+using namespace pagoda_attention;
 
 #ifdef PAGODA_ATTN_AVX512
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const at::BFloat16* p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-inline __m512 load16(const at::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
+// The bf16 tile stages pay a per-chunk transpose that only tasks with a few rows amortize.
+constexpr int64_t kMinTileRows = 4;
 
-// e^x for x <= 0 (scores minus their running max): 2^n * 2^f with |f| <= 1/2 and a degree-7 Taylor
-// polynomial for 2^f (relative error < 1e-8 before float32 rounding); x below -100 gives 0.
-inline __m512 exp_nonpositive(__m512 x) {
-  const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-100.0f)), _mm512_set1_ps(1.4426950408889634f));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_set1_ps(1.5252733804059840e-5f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.5403530393381609e-4f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
-
-struct Task {
-  int64_t req, kv_head, first_query;  // first_query: index within the request's queries
+struct Work {
+  std::vector<float> floats;
+  std::vector<uint32_t> words;
 };
 
-struct Shape {
-  int64_t num_heads, num_kv_heads, head_dim, block_size, max_blocks;
-  float scale;
-  int64_t window;  // 0: unlimited
-};
-
-// One task: rows r = token * group + g for tokens [first_query, first_query + tokens).
 template <typename T>
-void attend(const Task& task, const T* q, const T* key_cache, const T* value_cache, const int64_t* block_table,
-            int64_t query_start, int64_t q_len, int64_t seq_len, const Shape& s, T* out, std::vector<float>& work) {
-  const int64_t group = s.num_heads / s.num_kv_heads, D = s.head_dim, vecs = D / 16;
-  const int64_t tokens = std::min(kQueryTile, q_len - task.first_query), rows = tokens * group;
-  // work: q [rows][D], acc [rows][D], scores [rows][kKvChunk], m, l, first, last [rows]
-  work.resize(rows * (2 * D + kKvChunk + 4));
-  float* qf = work.data();
-  float* acc = qf + rows * D;
-  float* scores = acc + rows * D;
-  float* m = scores + rows * kKvChunk;
-  float* l = m + rows;
-  float* first = l + rows;  // as float: positions stay far below 2^24
-  float* last = first + rows;
+constexpr bool is_bf16() {
+  return std::is_same_v<T, at::BFloat16>;
+}
+
+// Lays out a task's rows and their visible ranges; returns [lo, hi), the positions any row sees.
+template <typename T>
+std::pair<int64_t, int64_t> setup_rows(Rows& rows, const Task& task, const T* q, int64_t query_start, int64_t q_len,
+                                       int64_t seq_len, const Shape& s, Work& work, bool tiles, float*& qf,
+                                       uint32_t*& qb) {
+  const int64_t group = s.num_heads / s.num_kv_heads, D = s.head_dim;
+  const int64_t count = std::min(kQueryTile, q_len - task.first_query) * group;
+  work.floats.resize(count * (2 * D + kKvChunk + 4));
+  float* f = work.floats.data();
+  rows = Rows{count, D, f, f + count * D, f + count * (D + kKvChunk), nullptr, nullptr, nullptr};
+  rows.sum = rows.max + count;
+  rows.first = rows.sum + count;
+  rows.last = rows.first + count;
+  qf = rows.last + count;  // [count][D], float32 path only
+  if (tiles) {
+    work.words.resize(count * D / 2 + (D / 2) * kKvChunk + (kKvChunk / 2) * D);
+    qb = work.words.data();
+  }
   int64_t lo = seq_len, hi = 0;
-  for (int64_t r = 0; r < rows; ++r) {
+  for (int64_t r = 0; r < count; ++r) {
     const int64_t token = task.first_query + r / group, head = task.kv_head * group + r % group;
     const T* qr = q + ((query_start + token) * s.num_heads + head) * D;
-    for (int64_t d = 0; d < D; ++d) qf[r * D + d] = static_cast<float>(qr[d]) * s.scale;
+    if (tiles) {
+      std::copy_n(reinterpret_cast<const uint32_t*>(qr), D / 2, qb + r * D / 2);
+    } else {
+      for (int64_t d = 0; d < D; ++d) qf[r * D + d] = static_cast<float>(qr[d]) * s.scale;
+    }
     const int64_t pos = seq_len - q_len + token;
     const int64_t begin = s.window > 0 ? std::max<int64_t>(0, pos - s.window + 1) : 0;
-    first[r] = static_cast<float>(begin);
-    last[r] = static_cast<float>(pos);
+    rows.first[r] = static_cast<float>(begin);
+    rows.last[r] = static_cast<float>(pos);
+    rows.max[r] = kNegInf;
+    rows.sum[r] = 0.0f;
+    std::fill(rows.acc + r * D, rows.acc + (r + 1) * D, 0.0f);
     lo = std::min(lo, begin);
     hi = std::max(hi, pos + 1);
-    m[r] = kNegInf;
-    l[r] = 0.0f;
-    std::fill(acc + r * D, acc + (r + 1) * D, 0.0f);
   }
-  const int64_t token_stride = s.num_kv_heads * D, row_bytes = D * static_cast<int64_t>(sizeof(T));
-  auto offset_of = [&](int64_t pos) {  // element offset of this head's row at position pos
-    return (block_table[pos / s.block_size] * s.block_size + pos % s.block_size) * token_stride + task.kv_head * D;
-  };
-  // Rows of one head sit 2 KB and more apart in blocks placed anywhere in the pool: too scattered for the
-  // hardware prefetcher, so a chunk's V rows and the next chunk's K rows are prefetched while scores run.
-  auto prefetch_row = [&](const T* row) {
-    for (int64_t b = 0; b < row_bytes; b += 64) _mm_prefetch(reinterpret_cast<const char*>(row) + b, _MM_HINT_T0);
-  };
-  int64_t offsets[kKvChunk], next_offsets[kKvChunk];
-  for (int64_t t = 0; t < std::min(kKvChunk, hi - lo); ++t) next_offsets[t] = offset_of(lo + t);
-  for (int64_t c0 = lo; c0 < hi; c0 += kKvChunk) {
-    const int64_t n = std::min(kKvChunk, hi - c0);
-    const int64_t n_next = std::max<int64_t>(0, std::min(kKvChunk, hi - c0 - kKvChunk));
-    std::copy(next_offsets, next_offsets + n, offsets);
-    for (int64_t t = 0; t < n_next; ++t) next_offsets[t] = offset_of(c0 + kKvChunk + t);
-    for (int64_t t = 0; t < n; ++t) {  // scores[r][t] = q_r . k_(c0+t)
-      const T* kr = key_cache + offsets[t];
-      prefetch_row(value_cache + offsets[t]);
-      if (t < n_next) prefetch_row(key_cache + next_offsets[t]);
-      __m512 kv[kMaxHeadDim / 16];
-      for (int64_t v = 0; v < vecs; ++v) kv[v] = load16(kr + v * 16);
-      for (int64_t r = 0; r < rows; ++r) {
-        const float pos = static_cast<float>(c0 + t);
-        if (pos < first[r] || pos > last[r]) {
-          scores[r * kKvChunk + t] = kNegInf;
-          continue;
-        }
-        __m512 dot = _mm512_mul_ps(_mm512_loadu_ps(qf + r * D), kv[0]);
-        for (int64_t v = 1; v < vecs; ++v) dot = _mm512_fmadd_ps(_mm512_loadu_ps(qf + r * D + v * 16), kv[v], dot);
-        scores[r * kKvChunk + t] = _mm512_reduce_add_ps(dot);
-      }
-    }
-    for (int64_t r = 0; r < rows; ++r) {  // online softmax: scores become probabilities
-      float* sr = scores + r * kKvChunk;
-      for (int64_t t = n; t < kKvChunk; ++t) sr[t] = kNegInf;
-      const __m512 s0 = _mm512_loadu_ps(sr), s1 = _mm512_loadu_ps(sr + 16);
-      const float chunk_max = _mm512_reduce_max_ps(_mm512_max_ps(s0, s1));
-      if (chunk_max == kNegInf) {  // nothing visible to this row in the chunk
-        std::fill(sr, sr + kKvChunk, 0.0f);
-        continue;
-      }
-      const float m_new = std::max(m[r], chunk_max);
-      const float correction = m[r] == kNegInf ? 0.0f : std::exp(m[r] - m_new);
-      const __m512 mv = _mm512_set1_ps(m_new);
-      const __m512 inf = _mm512_set1_ps(kNegInf);  // masked tokens get exactly 0
-      const __m512 p0 = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(s0, inf, _CMP_NEQ_OQ), exp_nonpositive(_mm512_sub_ps(s0, mv)));
-      const __m512 p1 = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(s1, inf, _CMP_NEQ_OQ), exp_nonpositive(_mm512_sub_ps(s1, mv)));
-      _mm512_storeu_ps(sr, p0);
-      _mm512_storeu_ps(sr + 16, p1);
-      l[r] = l[r] * correction + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
-      m[r] = m_new;
-      if (correction != 1.0f) {
-        const __m512 cv = _mm512_set1_ps(correction);
-        for (int64_t v = 0; v < vecs; ++v)
-          _mm512_storeu_ps(acc + r * D + v * 16, _mm512_mul_ps(_mm512_loadu_ps(acc + r * D + v * 16), cv));
-      }
-    }
-    for (int64_t t = 0; t < n; ++t) {  // acc_r += p_r[t] * v_(c0+t)
-      const T* vr = value_cache + offsets[t];
-      __m512 vv[kMaxHeadDim / 16];
-      for (int64_t v = 0; v < vecs; ++v) vv[v] = load16(vr + v * 16);
-      for (int64_t r = 0; r < rows; ++r) {
-        const float p = scores[r * kKvChunk + t];
-        if (p == 0.0f) continue;
-        const __m512 pv = _mm512_set1_ps(p);
-        for (int64_t v = 0; v < vecs; ++v)
-          _mm512_storeu_ps(acc + r * D + v * 16, _mm512_fmadd_ps(pv, vv[v], _mm512_loadu_ps(acc + r * D + v * 16)));
-      }
-    }
-  }
-  for (int64_t r = 0; r < rows; ++r) {
+  return {lo, hi};
+}
+
+template <typename T>
+void finish_rows(const Rows& rows, const Task& task, int64_t query_start, const Shape& s, bool tiles, T* out) {
+  const int64_t group = s.num_heads / s.num_kv_heads, D = s.head_dim;
+  for (int64_t r = 0; r < rows.count; ++r) {
     const int64_t token = task.first_query + r / group, head = task.kv_head * group + r % group;
     T* orow = out + ((query_start + token) * s.num_heads + head) * D;
-    const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
-    for (int64_t d = 0; d < D; ++d) orow[d] = static_cast<T>(acc[r * D + d] * inv);
+    const float inv = rows.sum[r] > 0.0f ? 1.0f / rows.sum[r] : 0.0f;
+    const float* ar = rows.acc + r * D;
+    for (int64_t i = 0; i < D; ++i) {
+      const int64_t d = tiles ? paired_dim(i / 16, i % 16) : i;
+      orow[d] = static_cast<T>(ar[i] * inv);
+    }
   }
+}
+
+template <typename T>
+void prefetch_rows(const T* const* row_ptrs, int64_t n, int64_t dim) {
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t b = 0; b < dim * static_cast<int64_t>(sizeof(T)); b += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(row_ptrs[t]) + b, _MM_HINT_T0);
+}
+
+template <typename T>
+void attend(const Task& task, const T* q, const T* key_cache, const T* value_cache, const int64_t* block_table,
+            int64_t query_start, int64_t q_len, int64_t seq_len, const Shape& s, T* out, Work& work) {
+  const int64_t group = s.num_heads / s.num_kv_heads, D = s.head_dim;
+  bool tiles = false;
+#ifdef PAGODA_ATTN_BF16_DOT
+  tiles = is_bf16<T>() && D % 32 == 0 && std::min(kQueryTile, q_len - task.first_query) * group >= kMinTileRows;
+#endif
+  Rows rows;
+  float* qf = nullptr;
+  uint32_t* qb = nullptr;
+  const auto [lo, hi] = setup_rows(rows, task, q, query_start, q_len, seq_len, s, work, tiles, qf, qb);
+  const int64_t token_stride = s.num_kv_heads * D;
+  auto row_at = [&](const T* cache, int64_t pos) {
+    return cache + (block_table[pos / s.block_size] * s.block_size + pos % s.block_size) * token_stride + task.kv_head * D;
+  };
+  const T* k_rows[kKvChunk];
+  const T* v_rows[kKvChunk];
+  const T* next_k[kKvChunk];
+  for (int64_t c0 = lo; c0 < hi; c0 += kKvChunk) {
+    const int64_t n = std::min(kKvChunk, hi - c0), n_next = std::clamp<int64_t>(hi - c0 - kKvChunk, 0, kKvChunk);
+    for (int64_t t = 0; t < n; ++t) {
+      k_rows[t] = row_at(key_cache, c0 + t);
+      v_rows[t] = row_at(value_cache, c0 + t);
+    }
+    for (int64_t t = 0; t < n_next; ++t) next_k[t] = row_at(key_cache, c0 + kKvChunk + t);
+    // One head's rows sit 2 KB and more apart in blocks placed anywhere in the pool: too scattered for
+    // the hardware prefetcher, so V rows are fetched while scores run and the next K rows during the V sums.
+    prefetch_rows(v_rows, n, D);
+#ifdef PAGODA_ATTN_BF16_DOT
+    if constexpr (is_bf16<T>()) {
+      if (tiles) {
+        uint32_t* kt = qb + rows.count * D / 2;
+        uint32_t* vp = kt + (D / 2) * kKvChunk;
+        transpose_keys(k_rows, n, D, kt);
+        scores_bf16(rows, qb, kt, c0, s.scale);
+        for (int64_t r = 0; r < rows.count; ++r) softmax_chunk(rows, r);
+        prefetch_rows(next_k, n_next, D);
+        pair_values(v_rows, n, D, vp);
+        values_bf16(rows, vp, n);
+        continue;
+      }
+    }
+#endif
+    scores_f32(rows, qf, k_rows, c0, n);
+    for (int64_t r = 0; r < rows.count; ++r) softmax_chunk(rows, r);
+    prefetch_rows(next_k, n_next, D);
+    values_f32(rows, v_rows, n);
+  }
+  finish_rows(rows, task, query_start, s, tiles, out);
 }
 #endif
 
@@ -221,7 +189,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& key_cache, con
     scalar_t* op = out.data_ptr<scalar_t>();
     const int64_t* tp = tables.data_ptr<int64_t>();
     at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t b, int64_t e) {
-      std::vector<float> work;
+      Work work;
       for (int64_t i = b; i < e; ++i) {
         const Task& task = tasks[i];
         const int64_t r = task.req;

@@ -77,6 +77,7 @@ class NativeBf16Linear:
 
     @staticmethod
     def from_weight(weight: torch.Tensor, bias: Optional[torch.Tensor]) -> NativeBf16Linear:
+        assert native_linear_support(NATIVE_BF16), "the native bf16 kernel is not built for this machine"
         packed = torch.ops.pagoda_cpu.pack_linear_weight(weight.detach())
         return NativeBf16Linear(packed, weight.shape[0], bias)
 

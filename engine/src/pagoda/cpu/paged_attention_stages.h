@@ -1,0 +1,240 @@
+// Stages of the native paged-attention kernel (paged_attention.cpp): one task is (request, KV head, tile of
+// query tokens); its rows r = token * group + g are the query heads that share the KV head (GQA) for each
+// token of the tile. Context tokens are visited in chunks of kKvChunk with an online (streaming) softmax:
+//
+//   scores (q . k, float32) -> softmax_chunk (running max/sum, probabilities) -> weighted sum of V rows.
+//
+// Two implementations of the scores and V stages:
+// - float32 (every dtype): each K/V row is widened to float32 once per task and used by all rows; q . k
+//   is a vector dot product with a horizontal sum per (row, token).
+// - bf16 tiles (bf16 caches on AVX512-BF16): a chunk's K is transposed to [dim pairs][tokens] and its V
+//   rows interleaved in token pairs, so vdpbf16ps produces 16 tokens' scores, or 16 output dims, per
+//   instruction with no horizontal sums. Probabilities enter the V sum rounded to bf16, as in
+//   flash-attention kernels; scores, softmax and sums stay float32.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include <immintrin.h>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define PAGODA_ATTN_AVX512 1
+#endif
+#if defined(PAGODA_ATTN_AVX512) && defined(__AVX512BF16__)
+#define PAGODA_ATTN_BF16_DOT 1
+#endif
+
+namespace pagoda_attention {
+
+constexpr int64_t kQueryTile = 16;  // query tokens per task (prefill chunks); decode tasks have one
+constexpr int64_t kKvChunk = 32;    // context tokens per online-softmax step
+constexpr int64_t kMaxHeadDim = 256;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+struct Task {
+  int64_t req, kv_head, first_query;  // first_query: index within the request's queries
+};
+
+struct Shape {
+  int64_t num_heads, num_kv_heads, head_dim, block_size, max_blocks;
+  float scale;
+  int64_t window;  // 0: unlimited
+};
+
+// Dim index held by lane l of acc's 16-lane group g in the bf16 tile path (see pair_values).
+inline int64_t paired_dim(int64_t g, int64_t l) { return (g / 2) * 32 + (g % 2) * 4 + 8 * (l / 4) + l % 4; }
+
+#ifdef PAGODA_ATTN_AVX512
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline __m512 load16(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// e^x for x <= 0 (scores minus their running max): 2^n * 2^f with |f| <= 1/2 and a degree-7 Taylor
+// polynomial for 2^f (relative error < 1e-8 before float32 rounding); x below -100 gives ~0.
+inline __m512 exp_nonpositive(__m512 x) {
+  const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-100.0f)), _mm512_set1_ps(1.4426950408889634f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(1.5252733804059840e-5f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.5403530393381609e-4f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// Running softmax state of a task's rows; scores hold one chunk, then its probabilities.
+struct Rows {
+  int64_t count = 0, dim = 0;
+  float* acc = nullptr;     // [count][dim] unnormalised output
+  float* scores = nullptr;  // [count][kKvChunk]
+  float* max = nullptr;     // [count] running max score
+  float* sum = nullptr;     // [count] running sum of exp(score - max)
+  float* first = nullptr;   // [count] first visible position (float: positions stay far below 2^24)
+  float* last = nullptr;    // [count] last visible position
+};
+
+// Masked scores (-inf) become 0; the rest exp(score - running max), and acc is rescaled to the new max.
+inline void softmax_chunk(Rows& rows, int64_t r) {
+  float* sr = rows.scores + r * kKvChunk;
+  const __m512 s0 = _mm512_loadu_ps(sr), s1 = _mm512_loadu_ps(sr + 16);
+  const float chunk_max = _mm512_reduce_max_ps(_mm512_max_ps(s0, s1));
+  if (chunk_max == kNegInf) {  // nothing visible to this row in the chunk
+    std::fill(sr, sr + kKvChunk, 0.0f);
+    return;
+  }
+  const float old_max = rows.max[r], new_max = std::max(old_max, chunk_max);
+  const float correction = old_max == kNegInf ? 0.0f : std::exp(old_max - new_max);
+  const __m512 mv = _mm512_set1_ps(new_max), inf = _mm512_set1_ps(kNegInf);
+  const __m512 p0 = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(s0, inf, _CMP_NEQ_OQ), exp_nonpositive(_mm512_sub_ps(s0, mv)));
+  const __m512 p1 = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(s1, inf, _CMP_NEQ_OQ), exp_nonpositive(_mm512_sub_ps(s1, mv)));
+  _mm512_storeu_ps(sr, p0);
+  _mm512_storeu_ps(sr + 16, p1);
+  rows.sum[r] = rows.sum[r] * correction + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
+  rows.max[r] = new_max;
+  if (correction != 1.0f) {
+    const __m512 cv = _mm512_set1_ps(correction);
+    float* ar = rows.acc + r * rows.dim;
+    for (int64_t d = 0; d < rows.dim; d += 16) _mm512_storeu_ps(ar + d, _mm512_mul_ps(_mm512_loadu_ps(ar + d), cv));
+  }
+}
+
+// float32 path, scores: qf [count][dim] (scaled queries); rows[t] = this head's K row of token c0 + t.
+template <typename T>
+void scores_f32(Rows& rows, const float* qf, const T* const* k_rows, int64_t c0, int64_t n) {
+  const int64_t D = rows.dim, vecs = D / 16;
+  for (int64_t t = 0; t < n; ++t) {
+    __m512 kv[kMaxHeadDim / 16];
+    for (int64_t v = 0; v < vecs; ++v) kv[v] = load16(k_rows[t] + v * 16);
+    const float pos = static_cast<float>(c0 + t);
+    for (int64_t r = 0; r < rows.count; ++r) {
+      if (pos < rows.first[r] || pos > rows.last[r]) {
+        rows.scores[r * kKvChunk + t] = kNegInf;
+        continue;
+      }
+      __m512 dot = _mm512_mul_ps(_mm512_loadu_ps(qf + r * D), kv[0]);
+      for (int64_t v = 1; v < vecs; ++v) dot = _mm512_fmadd_ps(_mm512_loadu_ps(qf + r * D + v * 16), kv[v], dot);
+      rows.scores[r * kKvChunk + t] = _mm512_reduce_add_ps(dot);
+    }
+  }
+  for (int64_t r = 0; r < rows.count; ++r) std::fill(rows.scores + r * kKvChunk + n, rows.scores + (r + 1) * kKvChunk, kNegInf);
+}
+
+// float32 path, V: acc_r += p_r[t] * v_t.
+template <typename T>
+void values_f32(Rows& rows, const T* const* v_rows, int64_t n) {
+  const int64_t D = rows.dim, vecs = D / 16;
+  for (int64_t t = 0; t < n; ++t) {
+    __m512 vv[kMaxHeadDim / 16];
+    for (int64_t v = 0; v < vecs; ++v) vv[v] = load16(v_rows[t] + v * 16);
+    for (int64_t r = 0; r < rows.count; ++r) {
+      const float p = rows.scores[r * kKvChunk + t];
+      if (p == 0.0f) continue;
+      const __m512 pv = _mm512_set1_ps(p);
+      float* ar = rows.acc + r * D;
+      for (int64_t v = 0; v < vecs; ++v) _mm512_storeu_ps(ar + v * 16, _mm512_fmadd_ps(pv, vv[v], _mm512_loadu_ps(ar + v * 16)));
+    }
+  }
+}
+#endif  // PAGODA_ATTN_AVX512
+
+#ifdef PAGODA_ATTN_BF16_DOT
+// kt[p][t] = pair p of token t's K row ([dim/2][kKvChunk] 32-bit bf16 pairs); tokens >= n are zero.
+inline void transpose_keys(const at::BFloat16* const* k_rows, int64_t n, int64_t dim, uint32_t* kt) {
+  const int64_t pairs = dim / 2;
+  for (int64_t t = 0; t < n; ++t) {
+    const uint32_t* kr = reinterpret_cast<const uint32_t*>(k_rows[t]);
+    for (int64_t p = 0; p < pairs; ++p) kt[p * kKvChunk + t] = kr[p];
+  }
+  for (int64_t p = 0; p < pairs; ++p) std::fill(kt + p * kKvChunk + n, kt + (p + 1) * kKvChunk, 0u);
+}
+
+// vp[j] = V rows of tokens 2j and 2j+1 interleaved element by element (a missing second row is zero).
+// Within each 32-dim block, 16-bit unpacks leave lane l of the low half at dim 8 * (l / 4) + l % 4 and
+// of the high half at that + 4: acc keeps this order, finish_rows undoes it.
+inline void pair_values(const at::BFloat16* const* v_rows, int64_t n, int64_t dim, uint32_t* vp) {
+  for (int64_t j = 0; 2 * j < n; ++j) {
+    const at::BFloat16* a = v_rows[2 * j];
+    const at::BFloat16* b = 2 * j + 1 < n ? v_rows[2 * j + 1] : nullptr;
+    for (int64_t d = 0; d < dim; d += 32) {
+      const __m512i va = _mm512_loadu_si512(a + d);
+      const __m512i vb = b != nullptr ? _mm512_loadu_si512(b + d) : _mm512_setzero_si512();
+      _mm512_storeu_si512(vp + j * dim + d, _mm512_unpacklo_epi16(va, vb));
+      _mm512_storeu_si512(vp + j * dim + d + 16, _mm512_unpackhi_epi16(va, vb));
+    }
+  }
+}
+
+// Scores of up to four rows at once: eight independent dot-product chains keep vdpbf16ps busy.
+template <int RB>
+inline void score_rows(Rows& rows, const uint32_t* qb, const uint32_t* kt, int64_t r0, int64_t c0, float scale) {
+  const int64_t pairs = rows.dim / 2;
+  __m512 s[RB][2];
+  for (int i = 0; i < RB; ++i) s[i][0] = s[i][1] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < pairs; ++p) {
+    const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kt + p * kKvChunk);
+    const __m512bh k1 = (__m512bh)_mm512_loadu_si512(kt + p * kKvChunk + 16);
+    for (int i = 0; i < RB; ++i) {
+      const __m512bh qv = (__m512bh)_mm512_set1_epi32(static_cast<int>(qb[(r0 + i) * pairs + p]));
+      s[i][0] = _mm512_dpbf16_ps(s[i][0], qv, k0);
+      s[i][1] = _mm512_dpbf16_ps(s[i][1], qv, k1);
+    }
+  }
+  const __m512 lane = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const __m512 inf = _mm512_set1_ps(kNegInf), sv = _mm512_set1_ps(scale);
+  for (int i = 0; i < RB; ++i) {
+    const int64_t r = r0 + i;
+    const __m512 lo = _mm512_set1_ps(rows.first[r]), hi = _mm512_set1_ps(rows.last[r]);
+    for (int h = 0; h < 2; ++h) {  // positions outside [first, last] (including tokens past the chunk) -> -inf
+      const __m512 pos = _mm512_add_ps(lane, _mm512_set1_ps(static_cast<float>(c0 + 16 * h)));
+      const __mmask16 visible = _mm512_cmp_ps_mask(pos, lo, _CMP_GE_OQ) & _mm512_cmp_ps_mask(pos, hi, _CMP_LE_OQ);
+      _mm512_storeu_ps(rows.scores + r * kKvChunk + 16 * h, _mm512_mask_blend_ps(visible, inf, _mm512_mul_ps(s[i][h], sv)));
+    }
+  }
+}
+
+inline void scores_bf16(Rows& rows, const uint32_t* qb, const uint32_t* kt, int64_t c0, float scale) {
+  int64_t r = 0;
+  for (; r + 4 <= rows.count; r += 4) score_rows<4>(rows, qb, kt, r, c0, scale);
+  for (; r < rows.count; ++r) score_rows<1>(rows, qb, kt, r, c0, scale);
+}
+
+// acc_r += sum_t bf16(p_r[t]) * v_t over token pairs; acc in paired_dim order.
+inline void values_bf16(Rows& rows, const uint32_t* vp, int64_t n) {
+  const int64_t D = rows.dim, groups = D / 16, token_pairs = (n + 1) / 2;
+  for (int64_t r = 0; r < rows.count; ++r) {
+    const float* pr = rows.scores + r * kKvChunk;
+    alignas(64) uint16_t pb[kKvChunk];
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(pr)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb + 16), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(pr + 16)));
+    const uint32_t* pairs = reinterpret_cast<const uint32_t*>(pb);
+    float* ar = rows.acc + r * D;
+    __m512 acc[kMaxHeadDim / 16];
+    for (int64_t g = 0; g < groups; ++g) acc[g] = _mm512_loadu_ps(ar + g * 16);
+    for (int64_t j = 0; j < token_pairs; ++j) {
+      if (pairs[j] == 0) continue;  // both probabilities 0 (masked)
+      const __m512bh pv = (__m512bh)_mm512_set1_epi32(static_cast<int>(pairs[j]));
+      for (int64_t g = 0; g < groups; ++g) acc[g] = _mm512_dpbf16_ps(acc[g], pv, (__m512bh)_mm512_loadu_si512(vp + j * D + g * 16));
+    }
+    for (int64_t g = 0; g < groups; ++g) _mm512_storeu_ps(ar + g * 16, acc[g]);
+  }
+}
+#endif  // PAGODA_ATTN_BF16_DOT
+
+}  // namespace pagoda_attention
