@@ -34,7 +34,7 @@
 
 namespace pagoda_attention {
 
-constexpr int64_t kQueryTile = 16;  // query tokens per task (prefill chunks); decode tasks have one
+constexpr int64_t kQueryTile = 32;  // query tokens per task (prefill chunks); decode tasks have one
 constexpr int64_t kKvChunk = 32;    // context tokens per online-softmax step
 constexpr int64_t kMaxHeadDim = 256;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
