@@ -8,6 +8,8 @@ ops, which are slower but give the same results up to rounding.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import functools
 import logging
 import os
@@ -65,3 +67,38 @@ def use_fused_ops(x: torch.Tensor) -> bool:
     hold bit-exact to transformers.
     """
     return x.device.type == "cpu" and x.dtype in _FUSED_DTYPES and cpu_ops()
+
+
+# glibc mallopt parameters (malloc.h)
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+# Every step allocates its activations afresh (a [32, 6144] bf16 GEMM output is 384 KB, a batch's float32
+# logits tens of MB). By default glibc serves blocks over 128 KB-32 MB with mmap and returns freed heap
+# tops to the kernel, so each step page-faults all of them in again: measured 49 of 194 ms per step at 32
+# decodes of the Qwen3-0.6B shape on a 2-core VM. Keeping blocks up to 64 MB on the heap and freed memory
+# up to 512 MB in the process makes those allocations reuse warm pages.
+MALLOC_MMAP_THRESHOLD = 64 << 20
+MALLOC_TRIM_THRESHOLD = 512 << 20
+
+
+@functools.cache
+def keep_freed_memory() -> bool:
+    """Tune glibc's malloc so per-step tensors reuse pages instead of faulting them in (see above).
+
+    Process-wide and idempotent; a no-op (False) without glibc or with ``PAGODA_DISABLE_MALLOC_TUNING``
+    set. Called by the engine when it runs on the CPU.
+    """
+    if os.environ.get("PAGODA_DISABLE_MALLOC_TUNING"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.gnu_get_libc_version  # noqa: B018 - raises AttributeError on a non-glibc C library
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    applied = (
+        mallopt(_M_MMAP_THRESHOLD, MALLOC_MMAP_THRESHOLD) == 1
+        and mallopt(_M_TRIM_THRESHOLD, MALLOC_TRIM_THRESHOLD) == 1
+    )
+    logger.debug("glibc malloc tuning %s", "applied" if applied else "refused")
+    return applied

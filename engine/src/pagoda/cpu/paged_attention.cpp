@@ -94,6 +94,21 @@ void prefetch_rows(const T* const* row_ptrs, int64_t n, int64_t dim) {
       _mm_prefetch(reinterpret_cast<const char*>(row_ptrs[t]) + b, _MM_HINT_T0);
 }
 
+// A task's first K rows, fetched while the thread still works on the task before it: tasks at decode
+// are short, and their first chunk would otherwise wait on memory row by row.
+template <typename T>
+void prefetch_first_keys(const Task& task, const T* key_cache, const int64_t* block_table, int64_t q_len,
+                         int64_t seq_len, const Shape& s) {
+  const int64_t pos = seq_len - q_len + task.first_query;
+  const int64_t lo = s.window > 0 ? std::max<int64_t>(0, pos - s.window + 1) : 0;
+  const int64_t stride = s.num_kv_heads * s.head_dim;
+  std::vector<const T*> rows;
+  for (int64_t p = lo; p < std::min(seq_len, lo + kKvChunk); ++p)
+    rows.push_back(key_cache + (block_table[p / s.block_size] * s.block_size + p % s.block_size) * stride +
+                   task.kv_head * s.head_dim);
+  prefetch_rows(rows.data(), static_cast<int64_t>(rows.size()), s.head_dim);
+}
+
 template <typename T>
 void attend(const Task& task, const T* q, const T* key_cache, const T* value_cache, const int64_t* block_table,
             int64_t query_start, int64_t q_len, int64_t seq_len, const Shape& s, T* out, Work& work) {
@@ -193,6 +208,10 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& key_cache, con
       for (int64_t i = b; i < e; ++i) {
         const Task& task = tasks[i];
         const int64_t r = task.req;
+        if (i + 1 < e) {
+          const int64_t rn = tasks[i + 1].req;
+          prefetch_first_keys(tasks[i + 1], kp, tp + rn * s.max_blocks, start_p[rn + 1] - start_p[rn], len_p[rn], s);
+        }
         attend<scalar_t>(task, qp, kp, vp, tp + r * s.max_blocks, start_p[r], start_p[r + 1] - start_p[r], len_p[r],
                          s, op, work);
       }

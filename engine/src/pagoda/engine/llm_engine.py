@@ -14,6 +14,7 @@ import torch
 from pagoda.config import EngineArgs, SchedulerConfig
 from pagoda.core.kv_cache_manager import KVCacheManager
 from pagoda.core.scheduler import Scheduler
+from pagoda.cpu import keep_freed_memory
 from pagoda.engine.output_processor import OutputProcessor
 from pagoda.layers.linear_kernels import validate_quantization
 from pagoda.model_config import ModelConfig, resolve_dtype
@@ -57,6 +58,8 @@ class LLMEngine:
         self.tokenizer = get_tokenizer(args.tokenizer or model_path)
         self.device = _resolve_device(args.device)
         validate_quantization(args.quantization, self.device)  # before minutes of weight loading
+        if self.device.type == "cpu":
+            keep_freed_memory()
         self.dtype = resolve_dtype(args.dtype, self.model_config, self.device)
         self.max_model_len = _resolve_max_model_len(args.max_model_len, self.model_config)
         scheduler_config = SchedulerConfig.from_args(args, self.max_model_len)
