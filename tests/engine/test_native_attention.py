@@ -124,3 +124,22 @@ def test_bad_shapes_raise_instead_of_reading_out_of_bounds():
             1.0,
             0,
         )
+
+
+@pytest.mark.parametrize("num_reqs", [1, 3, 32])
+def test_decode_tasks_spanning_several_kv_heads_match_sdpa(num_reqs, monkeypatch):
+    # decode tasks take a group of KV heads sized by batch and thread count (8 heads over 3 requests:
+    # groups of 3, 3 and 2); every grouping gives each row the same arithmetic
+    spec = AttentionLayerSpec(16, 8, 64, 64**-0.5)
+    lens = [1 + (37 * i) % 90 for i in range(num_reqs)]
+    step = make_step([1] * num_reqs, lens, 16, 8, 64, 16, torch.bfloat16, seed=num_reqs)
+    want, _ = attend(step, spec, native=False, monkeypatch=monkeypatch)
+    got, _ = attend(step, spec, native=True, monkeypatch=monkeypatch)
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone, _ = attend(step, spec, native=True, monkeypatch=monkeypatch)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(alone, got)  # the task split never changes a result

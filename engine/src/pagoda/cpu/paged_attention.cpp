@@ -38,10 +38,10 @@ std::pair<int64_t, int64_t> setup_rows(Rows& rows, const Task& task, const T* q,
                                        int64_t seq_len, const Shape& s, Work& work, bool tiles, float*& qf,
                                        uint32_t*& qb) {
   const int64_t group = s.num_heads / s.num_kv_heads, D = s.head_dim;
-  const int64_t count = std::min(kQueryTile, q_len - task.first_query) * group;
+  const int64_t count = std::min(kQueryTile, q_len - task.first_query) * task.kv_heads * group;
   work.floats.resize(count * (2 * D + kKvChunk + 4));
   float* f = work.floats.data();
-  rows = Rows{count, D, f, f + count * D, f + count * (D + kKvChunk), nullptr, nullptr, nullptr};
+  rows = Rows{count, D, task.kv_heads, group, f, f + count * D, f + count * (D + kKvChunk), nullptr, nullptr, nullptr};
   rows.sum = rows.max + count;
   rows.first = rows.sum + count;
   rows.last = rows.first + count;
@@ -52,7 +52,8 @@ std::pair<int64_t, int64_t> setup_rows(Rows& rows, const Task& task, const T* q,
   }
   int64_t lo = seq_len, hi = 0;
   for (int64_t r = 0; r < count; ++r) {
-    const int64_t token = task.first_query + r / group, head = task.kv_head * group + r % group;
+    const int64_t token = task.first_query + r / (task.kv_heads * group);
+    const int64_t head = (task.kv_head + (r / group) % task.kv_heads) * group + r % group;
     const T* qr = q + ((query_start + token) * s.num_heads + head) * D;
     if (tiles) {
       std::copy_n(reinterpret_cast<const uint32_t*>(qr), D / 2, qb + r * D / 2);
@@ -76,7 +77,8 @@ template <typename T>
 void finish_rows(const Rows& rows, const Task& task, int64_t query_start, const Shape& s, bool tiles, T* out) {
   const int64_t group = s.num_heads / s.num_kv_heads, D = s.head_dim;
   for (int64_t r = 0; r < rows.count; ++r) {
-    const int64_t token = task.first_query + r / group, head = task.kv_head * group + r % group;
+    const int64_t token = task.first_query + r / (task.kv_heads * group);
+    const int64_t head = (task.kv_head + (r / group) % task.kv_heads) * group + r % group;
     T* orow = out + ((query_start + token) * s.num_heads + head) * D;
     const float inv = rows.sum[r] > 0.0f ? 1.0f / rows.sum[r] : 0.0f;
     const float* ar = rows.acc + r * D;
@@ -102,11 +104,11 @@ void prefetch_first_keys(const Task& task, const T* key_cache, const int64_t* bl
   const int64_t pos = seq_len - q_len + task.first_query;
   const int64_t lo = s.window > 0 ? std::max<int64_t>(0, pos - s.window + 1) : 0;
   const int64_t stride = s.num_kv_heads * s.head_dim;
-  std::vector<const T*> rows;
-  for (int64_t p = lo; p < std::min(seq_len, lo + kKvChunk); ++p)
+  std::vector<const T*> rows;  // about 32 rows' worth of bytes: the first chunk of a one-head task
+  for (int64_t p = lo; p < std::min(seq_len, lo + std::max<int64_t>(4, kKvChunk / task.kv_heads)); ++p)
     rows.push_back(key_cache + (block_table[p / s.block_size] * s.block_size + p % s.block_size) * stride +
                    task.kv_head * s.head_dim);
-  prefetch_rows(rows.data(), static_cast<int64_t>(rows.size()), s.head_dim);
+  prefetch_rows(rows.data(), static_cast<int64_t>(rows.size()), s.head_dim * task.kv_heads);
 }
 
 template <typename T>
@@ -115,7 +117,8 @@ void attend(const Task& task, const T* q, const T* key_cache, const T* value_cac
   const int64_t group = s.num_heads / s.num_kv_heads, D = s.head_dim;
   bool tiles = false;
 #ifdef PAGODA_ATTN_BF16_DOT
-  tiles = is_bf16<T>() && D % 32 == 0 && std::min(kQueryTile, q_len - task.first_query) * group >= kMinTileRows;
+  tiles = is_bf16<T>() && D % 32 == 0 && task.kv_heads == 1 &&
+          std::min(kQueryTile, q_len - task.first_query) * group >= kMinTileRows;
 #endif
   Rows rows;
   float* qf = nullptr;
@@ -137,7 +140,7 @@ void attend(const Task& task, const T* q, const T* key_cache, const T* value_cac
     for (int64_t t = 0; t < n_next; ++t) next_k[t] = row_at(key_cache, c0 + kKvChunk + t);
     // One head's rows sit 2 KB and more apart in blocks placed anywhere in the pool: too scattered for
     // the hardware prefetcher, so V rows are fetched while scores run and the next K rows during the V sums.
-    prefetch_rows(v_rows, n, D);
+    if (task.kv_heads == 1) prefetch_rows(v_rows, n, D);
 #ifdef PAGODA_ATTN_BF16_DOT
     if constexpr (is_bf16<T>()) {
       if (tiles) {
@@ -155,7 +158,7 @@ void attend(const Task& task, const T* q, const T* key_cache, const T* value_cac
 #endif
     scores_f32(rows, qf, k_rows, c0, n);
     for (int64_t r = 0; r < rows.count; ++r) softmax_chunk(rows, r);
-    prefetch_rows(next_k, n_next, D);
+    if (task.kv_heads == 1) prefetch_rows(next_k, n_next, D);
     values_f32(rows, v_rows, n);
   }
   finish_rows(rows, task, query_start, s, tiles, out);
@@ -186,12 +189,21 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& key_cache, con
   }
   const int64_t* start_p = starts.data_ptr<int64_t>();
   const int64_t* len_p = lens.data_ptr<int64_t>();
+  // Decode tasks take as many KV heads as still leaves ~4 tasks per thread.
+  const int64_t wanted = 4 * at::get_num_threads();
+  const int64_t head_groups = std::clamp<int64_t>((wanted + num_reqs - 1) / std::max<int64_t>(num_reqs, 1), 1, s.num_kv_heads);
+  const int64_t decode_heads = (s.num_kv_heads + head_groups - 1) / head_groups;
   std::vector<Task> tasks;
   for (int64_t i = 0; i < num_reqs; ++i) {
     const int64_t q_len = start_p[i + 1] - start_p[i];
     TORCH_CHECK(q_len >= 0 && q_len <= len_p[i] && len_p[i] <= s.max_blocks * s.block_size, "bad lengths");
+    if (q_len == 1) {
+      for (int64_t h = 0; h < s.num_kv_heads; h += decode_heads)
+        tasks.push_back({i, h, std::min(decode_heads, s.num_kv_heads - h), 0});
+      continue;
+    }
     for (int64_t h = 0; h < s.num_kv_heads; ++h)
-      for (int64_t first = 0; first < q_len; first += kQueryTile) tasks.push_back({i, h, first});
+      for (int64_t first = 0; first < q_len; first += kQueryTile) tasks.push_back({i, h, 1, first});
   }
   auto out = at::empty_like(qc);
   TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf,

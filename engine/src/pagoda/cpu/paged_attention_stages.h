@@ -39,8 +39,11 @@ constexpr int64_t kKvChunk = 32;    // context tokens per online-softmax step
 constexpr int64_t kMaxHeadDim = 256;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
+// Rows r = (token * kv_heads + h) * group + g: query head (kv_head + h) * group + g of query token
+// first_query + token. Decode tasks take several KV heads (a token's K/V rows of neighbouring heads are
+// adjacent in memory, so the task streams its blocks); prefill tasks take one head and a tile of tokens.
 struct Task {
-  int64_t req, kv_head, first_query;  // first_query: index within the request's queries
+  int64_t req, kv_head, kv_heads, first_query;  // first_query: index within the request's queries
 };
 
 struct Shape {
@@ -82,6 +85,7 @@ inline __m512 exp_nonpositive(__m512 x) {
 // Running softmax state of a task's rows; scores hold one chunk, then its probabilities.
 struct Rows {
   int64_t count = 0, dim = 0;
+  int64_t heads = 1, group = 1;  // KV heads of the task, query heads per KV head
   float* acc = nullptr;     // [count][dim] unnormalised output
   float* scores = nullptr;  // [count][kKvChunk]
   float* max = nullptr;     // [count] running max score
@@ -115,40 +119,49 @@ inline void softmax_chunk(Rows& rows, int64_t r) {
   }
 }
 
-// float32 path, scores: qf [count][dim] (scaled queries); rows[t] = this head's K row of token c0 + t.
+// float32 path, scores: qf [count][dim] (scaled queries); k_rows[t] = K row of token c0 + t for the task's
+// first KV head (head h's row follows h * dim elements later).
 template <typename T>
 void scores_f32(Rows& rows, const float* qf, const T* const* k_rows, int64_t c0, int64_t n) {
-  const int64_t D = rows.dim, vecs = D / 16;
+  const int64_t D = rows.dim, vecs = D / 16, per_token = rows.heads * rows.group;
   for (int64_t t = 0; t < n; ++t) {
-    __m512 kv[kMaxHeadDim / 16];
-    for (int64_t v = 0; v < vecs; ++v) kv[v] = load16(k_rows[t] + v * 16);
     const float pos = static_cast<float>(c0 + t);
-    for (int64_t r = 0; r < rows.count; ++r) {
-      if (pos < rows.first[r] || pos > rows.last[r]) {
-        rows.scores[r * kKvChunk + t] = kNegInf;
-        continue;
+    for (int64_t h = 0; h < rows.heads; ++h) {
+      __m512 kv[kMaxHeadDim / 16];
+      for (int64_t v = 0; v < vecs; ++v) kv[v] = load16(k_rows[t] + h * D + v * 16);
+      for (int64_t base = h * rows.group; base < rows.count; base += per_token) {
+        for (int64_t r = base; r < base + rows.group; ++r) {
+          if (pos < rows.first[r] || pos > rows.last[r]) {
+            rows.scores[r * kKvChunk + t] = kNegInf;
+            continue;
+          }
+          __m512 dot = _mm512_mul_ps(_mm512_loadu_ps(qf + r * D), kv[0]);
+          for (int64_t v = 1; v < vecs; ++v) dot = _mm512_fmadd_ps(_mm512_loadu_ps(qf + r * D + v * 16), kv[v], dot);
+          rows.scores[r * kKvChunk + t] = _mm512_reduce_add_ps(dot);
+        }
       }
-      __m512 dot = _mm512_mul_ps(_mm512_loadu_ps(qf + r * D), kv[0]);
-      for (int64_t v = 1; v < vecs; ++v) dot = _mm512_fmadd_ps(_mm512_loadu_ps(qf + r * D + v * 16), kv[v], dot);
-      rows.scores[r * kKvChunk + t] = _mm512_reduce_add_ps(dot);
     }
   }
   for (int64_t r = 0; r < rows.count; ++r) std::fill(rows.scores + r * kKvChunk + n, rows.scores + (r + 1) * kKvChunk, kNegInf);
 }
 
-// float32 path, V: acc_r += p_r[t] * v_t.
+// float32 path, V: acc_r += p_r[t] * v_t (v_rows like k_rows in scores_f32).
 template <typename T>
 void values_f32(Rows& rows, const T* const* v_rows, int64_t n) {
-  const int64_t D = rows.dim, vecs = D / 16;
+  const int64_t D = rows.dim, vecs = D / 16, per_token = rows.heads * rows.group;
   for (int64_t t = 0; t < n; ++t) {
-    __m512 vv[kMaxHeadDim / 16];
-    for (int64_t v = 0; v < vecs; ++v) vv[v] = load16(v_rows[t] + v * 16);
-    for (int64_t r = 0; r < rows.count; ++r) {
-      const float p = rows.scores[r * kKvChunk + t];
-      if (p == 0.0f) continue;
-      const __m512 pv = _mm512_set1_ps(p);
-      float* ar = rows.acc + r * D;
-      for (int64_t v = 0; v < vecs; ++v) _mm512_storeu_ps(ar + v * 16, _mm512_fmadd_ps(pv, vv[v], _mm512_loadu_ps(ar + v * 16)));
+    for (int64_t h = 0; h < rows.heads; ++h) {
+      __m512 vv[kMaxHeadDim / 16];
+      for (int64_t v = 0; v < vecs; ++v) vv[v] = load16(v_rows[t] + h * D + v * 16);
+      for (int64_t base = h * rows.group; base < rows.count; base += per_token) {
+        for (int64_t r = base; r < base + rows.group; ++r) {
+          const float p = rows.scores[r * kKvChunk + t];
+          if (p == 0.0f) continue;
+          const __m512 pv = _mm512_set1_ps(p);
+          float* ar = rows.acc + r * D;
+          for (int64_t v = 0; v < vecs; ++v) _mm512_storeu_ps(ar + v * 16, _mm512_fmadd_ps(pv, vv[v], _mm512_loadu_ps(ar + v * 16)));
+        }
+      }
     }
   }
 }
