@@ -24,6 +24,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 #include <immintrin.h>
@@ -148,6 +149,34 @@ struct Int8Pass {
 };
 #endif
 
+// y[m, n0 + j] = acc[m][j] * col_scale[n0 + j] * row_scale[m] + bias[n0 + j] for one tile (scales and bias
+// optional). Vectorised for bf16 outputs: at 32 rows a scalar epilogue cost ~15% of a K=1024 tile's dot products.
+template <typename scalar_t>
+inline void store_tile(const float* acc, int64_t M, int64_t n0, const float* col_scale, const float* row_scale,
+                       const float* bias, scalar_t* y, int64_t N) {
+  const int64_t width = std::min(N - n0, kTile);
+  for (int64_t m = 0; m < M; ++m) {
+    const float rs = row_scale != nullptr ? row_scale[m] : 1.0f;
+    int64_t j = 0;
+#ifdef PAGODA_BF16_DOT
+    if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
+      for (; j + 16 <= width; j += 16) {
+        __m512 v = _mm512_loadu_ps(acc + m * kTile + j);
+        if (col_scale != nullptr) v = _mm512_mul_ps(v, _mm512_mul_ps(_mm512_loadu_ps(col_scale + n0 + j), _mm512_set1_ps(rs)));
+        if (bias != nullptr) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + n0 + j));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + m * N + n0 + j), (__m256i)_mm512_cvtneps_pbh(v));
+      }
+    }
+#endif
+    for (; j < width; ++j) {
+      float v = acc[m * kTile + j];
+      if (col_scale != nullptr) v *= col_scale[n0 + j] * rs;
+      if (bias != nullptr) v += bias[n0 + j];
+      y[m * N + n0 + j] = static_cast<scalar_t>(v);
+    }
+  }
+}
+
 // out[m, n] = acc * col_scale[n] * row_scale[m] + bias[n] for every tile; x: [M][pairs] 32-bit pairs.
 template <template <int> class Pass, typename scalar_t>
 void run_tiles(const uint32_t* x, int64_t M, int64_t pairs, const char* packed, int64_t tile_bytes, int64_t tiles,
@@ -163,16 +192,7 @@ void run_tiles(const uint32_t* x, int64_t M, int64_t pairs, const char* packed, 
           dispatch_rows<Pass, kMR>(std::min<int64_t>(kMR, M - m0), x + m0 * pairs, pairs,
                                    static_cast<const void*>(tile), p0, p1, acc.data() + m0 * kTile, p0 == 0);
       }
-      const int64_t n0 = t * kTile, width = std::min(N - n0, kTile);
-      for (int64_t m = 0; m < M; ++m) {
-        const float rs = row_scale != nullptr ? row_scale[m] : 1.0f;
-        for (int64_t j = 0; j < width; ++j) {
-          float v = acc[m * kTile + j];
-          if (col_scale != nullptr) v *= col_scale[n0 + j] * rs;
-          if (bias != nullptr) v += bias[n0 + j];
-          y[m * N + n0 + j] = static_cast<scalar_t>(v);
-        }
-      }
+      store_tile(acc.data(), M, t * kTile, col_scale, row_scale, bias, y, N);
     }
   });
 }
