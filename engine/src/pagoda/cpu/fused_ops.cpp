@@ -17,14 +17,30 @@ namespace {
 template <typename T>
 inline float f(T v) { return static_cast<float>(v); }
 
+// Rows of `width` contiguous elements: row r starts at (r / heads) * token_stride + (r % heads) * width.
+// Per-head views of a fused qkv output ([tokens, heads, head_dim] with a token stride of the whole qkv
+// row) are read in place instead of being copied first.
+struct RowLayout {
+  at::Tensor tensor;
+  int64_t heads, token_stride;
+
+  int64_t offset(int64_t r, int64_t width) const { return (r / heads) * token_stride + (r % heads) * width; }
+};
+
+RowLayout row_layout(const at::Tensor& x) {
+  const int64_t width = x.size(-1);
+  if (x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == width && x.size(1) > 0) return {x, x.size(1), x.stride(0)};
+  return {x.contiguous(), 1, width};
+}
+
 // out = weight * to_dtype(s * rsqrt(mean(s^2) + eps)), s = x (+ residual, rounded to the dtype)
 template <typename T>
-void rms_rows(const T* x, const T* residual, const T* weight, T* out, T* sum_out, int64_t rows, int64_t hidden,
-              float eps) {
+void rms_rows(const T* x, const RowLayout& layout, const T* residual, const T* weight, T* out, T* sum_out,
+              int64_t rows, int64_t hidden, float eps) {
   at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / std::max<int64_t>(hidden, 1)), [&](int64_t b, int64_t e) {
     std::vector<float> s(hidden);
     for (int64_t r = b; r < e; ++r) {
-      const T* xr = x + r * hidden;
+      const T* xr = x + layout.offset(r, hidden);
       float acc = 0.0f;
       for (int64_t i = 0; i < hidden; ++i) {
         float v = f(xr[i]);
@@ -47,12 +63,12 @@ void rms_rows(const T* x, const T* residual, const T* weight, T* out, T* sum_out
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   const int64_t hidden = x.size(-1);
   TORCH_CHECK(weight.numel() == hidden && weight.scalar_type() == x.scalar_type(), "weight must be [hidden] in x's dtype");
-  auto xc = x.contiguous();
+  const RowLayout layout = row_layout(x);
   auto w = weight.contiguous();
-  auto out = at::empty_like(xc);
+  auto out = at::empty(x.sizes(), x.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
-    rms_rows<scalar_t>(xc.data_ptr<scalar_t>(), nullptr, w.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), nullptr,
-                       xc.numel() / hidden, hidden, static_cast<float>(eps));
+    rms_rows<scalar_t>(layout.tensor.data_ptr<scalar_t>(), layout, nullptr, w.data_ptr<scalar_t>(),
+                       out.data_ptr<scalar_t>(), nullptr, x.numel() / hidden, hidden, static_cast<float>(eps));
   });
   return out;
 }
@@ -68,7 +84,7 @@ std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm(const at::Tensor& x, const
   auto out = at::empty_like(xc);
   auto summed = at::empty_like(xc);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "fused_add_rms_norm", [&] {
-    rms_rows<scalar_t>(xc.data_ptr<scalar_t>(), rc.data_ptr<scalar_t>(), w.data_ptr<scalar_t>(),
+    rms_rows<scalar_t>(xc.data_ptr<scalar_t>(), RowLayout{xc, 1, hidden}, rc.data_ptr<scalar_t>(), w.data_ptr<scalar_t>(),
                        out.data_ptr<scalar_t>(), summed.data_ptr<scalar_t>(), xc.numel() / hidden, hidden,
                        static_cast<float>(eps));
   });
@@ -81,20 +97,20 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
   const int64_t tokens = x.size(0), heads = x.size(1), dim = x.size(2), half = dim / 2;
   TORCH_CHECK(dim % 2 == 0 && cos.size(0) == tokens && cos.size(1) == dim && sin.sizes() == cos.sizes(),
               "cos/sin must be [num_tokens, head_dim]");
-  auto xc = x.contiguous();
+  const RowLayout layout = row_layout(x);
   auto cc = cos.to(x.scalar_type()).contiguous();
   auto sc = sin.to(x.scalar_type()).contiguous();
-  auto out = at::empty_like(xc);
+  auto out = at::empty(x.sizes(), x.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rotary", [&] {
     using T = scalar_t;
-    const T* px = xc.data_ptr<T>();
+    const T* px = layout.tensor.data_ptr<T>();
     const T* pc = cc.data_ptr<T>();
     const T* ps = sc.data_ptr<T>();
     T* po = out.data_ptr<T>();
     at::parallel_for(0, tokens * heads, std::max<int64_t>(1, 16384 / dim), [&](int64_t b, int64_t e) {
       for (int64_t row = b; row < e; ++row) {
         const int64_t t = row / heads;
-        const T* xr = px + row * dim;
+        const T* xr = px + layout.offset(row, dim);
         const T* c = pc + t * dim;
         const T* s = ps + t * dim;
         for (int64_t i = 0; i < dim; ++i) {
