@@ -253,6 +253,44 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int64_t K_padded, int16
   }
 }
 
+#if defined(PAGODA_BF16_DOT) && defined(PAGODA_INT16_DOT)
+// From this many bf16 activation rows, each int8 tile chunk is widened to bf16 once (exact: |q| <= 127) and
+// every row pass runs vdpbf16ps on it with the activations as they are: at 32 rows the int16 dot products
+// ran at two thirds of the bf16 kernel's rate.
+constexpr int64_t kInt8WidenRows = 16;
+
+// count int8 values (a multiple of 32) -> count bf16 values, same order
+inline void widen_int8(const int8_t* q, int64_t count, uint32_t* out) {
+  for (int64_t i = 0; i < count; i += 32) {
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + i))));
+    const __m512 hi =
+        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + i + 16))));
+    _mm512_storeu_si512(out + i / 2, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+  }
+}
+
+// y = (x @ q^T) * col_scale + bias for bf16 x: [M][pairs] bf16 pairs.
+void int8_widened_tiles(const uint32_t* x, int64_t M, int64_t pairs, const int8_t* packed, int64_t tiles,
+                        const float* col_scale, const float* bias, at::BFloat16* y, int64_t N) {
+  at::parallel_for(0, tiles, 1, [&](int64_t t_begin, int64_t t_end) {
+    std::vector<float> acc(M * kTile);
+    std::vector<uint32_t> wide(kChunkPairs * kTile);
+    for (int64_t t = t_begin; t < t_end; ++t) {
+      const int8_t* tile = packed + t * pairs * kTile * 2;
+      for (int64_t p0 = 0; p0 < pairs; p0 += kChunkPairs) {
+        const int64_t n_pairs = std::min(kChunkPairs, pairs - p0);
+        widen_int8(tile + p0 * kTile * 2, n_pairs * kTile * 2, wide.data());
+        for (int64_t m0 = 0; m0 < M; m0 += kMR)
+          dispatch_rows<Bf16Pass, kMR>(std::min<int64_t>(kMR, M - m0), x + m0 * pairs + p0, pairs,
+                                       static_cast<const void*>(wide.data()), int64_t{0}, n_pairs,
+                                       acc.data() + m0 * kTile, p0 == 0);
+      }
+      store_tile(acc.data(), M, t * kTile, col_scale, static_cast<const float*>(nullptr), bias, y, N);
+    }
+  });
+}
+#endif
+
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t N,
                        const std::optional<at::Tensor>& bias) {
 #ifdef PAGODA_INT16_DOT
@@ -260,13 +298,25 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   TORCH_CHECK(packed.scalar_type() == at::kChar, "int8_linear takes an int8 packed weight");
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.numel() == N, "scales must be [N] float32");
   const int64_t K = x.size(-1), pairs = packed.size(1);
+  auto s = scales.contiguous();
+  auto b = float_bias(bias);
+#if defined(PAGODA_BF16_DOT) && defined(PAGODA_INT16_DOT)
+  if (x.scalar_type() == at::kBFloat16 && x.numel() / std::max<int64_t>(K, 1) >= kInt8WidenRows) {
+    auto xb = x.reshape({-1, K});
+    if (pairs * 2 != K) xb = at::constant_pad_nd(xb, {0, pairs * 2 - K});
+    xb = xb.contiguous();
+    auto y = output_like(x, N, xb.size(0));
+    int8_widened_tiles(reinterpret_cast<const uint32_t*>(xb.data_ptr()), xb.size(0), pairs,
+                       static_cast<const int8_t*>(packed.data_ptr()), packed.size(0), s.data_ptr<float>(),
+                       b.defined() ? b.data_ptr<float>() : nullptr, y.data_ptr<at::BFloat16>(), N);
+    return view_output(y, x, N);
+  }
+#endif
   auto x2 = x.reshape({-1, K}).to(at::kFloat).contiguous();  // [M, K] fp32 (a few KB at decode)
   const int64_t M = x2.size(0);
   auto a = at::empty({M, pairs * 2}, x.options().dtype(at::kShort));
   auto row_scale = at::empty({M}, x.options().dtype(at::kFloat));
   quantize_rows(x2.data_ptr<float>(), M, K, pairs * 2, a.data_ptr<int16_t>(), row_scale.data_ptr<float>());
-  auto s = scales.contiguous();
-  auto b = float_bias(bias);
   auto y = output_like(x, N, M);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "int8_linear", [&] {
     run_tiles<Int8Pass, scalar_t>(reinterpret_cast<const uint32_t*>(a.data_ptr()), M, pairs,

@@ -85,8 +85,9 @@ class NativeBf16Linear:
         return torch.ops.pagoda_cpu.bf16_linear(x, self.packed, self.out_features, self.bias)
 
 
-# Up to this many rows (measured crossover on a 2-core Zen 4: ~48-64), the native int8 kernel is faster; above it
-# (prefill) the GEMM is compute bound, and the int8 tiles widened to bf16 (or a dequantized weight) feed a bf16 GEMM.
+# Float32 activations: up to this many rows (measured crossover on a 2-core Zen 4: ~48-64) the native int8 kernel
+# is faster; above it (prefill) the GEMM is compute bound and a dequantized weight feeds MKL. bf16 activations
+# always take the native kernel, which widens int8 tiles to bf16 in cache from 16 rows on.
 INT8_NATIVE_MAX_ROWS = 48
 
 
@@ -104,7 +105,7 @@ class Int8WeightOnlyLinear:
     bias: Optional[torch.Tensor]  # [out]
     native: bool  # qweight is in the native kernel's layout and that kernel serves small batches
     in_features: int
-    bf16_gemm: bool  # bf16 activations above the native row limit may use the native bf16 kernel
+    bf16_gemm: bool  # the native kernel can widen tiles to bf16 (AVX512-BF16) for bf16 activations at any batch
     name: str = "int8-weight-only"
 
     @staticmethod
@@ -119,15 +120,12 @@ class Int8WeightOnlyLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., in] -> [..., out]
         rows = x.numel() // x.shape[-1]
         out_features = self.scales.shape[0]
-        if self.native and rows <= INT8_NATIVE_MAX_ROWS:
+        if self.native and (rows <= INT8_NATIVE_MAX_ROWS or (self.bf16_gemm and x.dtype == torch.bfloat16)):
+            # bf16 activations at any batch: from 16 rows on, the kernel widens each weight chunk to bf16
+            # in cache and runs the bf16 dot products (exact for |q| <= 127)
             return torch.ops.pagoda_cpu.int8_linear(x, self.qweight, self.scales, out_features, self.bias)
-        if self.native and self.bf16_gemm and x.dtype == torch.bfloat16:
-            # compute bound: widen the packed int8 tiles to bf16 (exact for |q| <= 127, a plain elementwise
-            # copy in the same layout) and run the bf16 kernel, then the per-column scale
-            y = torch.ops.pagoda_cpu.bf16_linear(x, self.qweight.to(torch.bfloat16), out_features, None)
-        else:  # dequantized GEMM: x @ q^T in the activation dtype, then the per-column scale
-            y = torch.nn.functional.linear(x, self.dense_qweight().to(x.dtype))
-        y = y * self.scales.to(x.dtype)
+        # dequantized GEMM (float32/fp16 activations): x @ q^T in the activation dtype, then the per-column scale
+        y = torch.nn.functional.linear(x, self.dense_qweight().to(x.dtype)) * self.scales.to(x.dtype)
         return y if self.bias is None else y + self.bias
 
     def dense_qweight(self) -> torch.Tensor:
