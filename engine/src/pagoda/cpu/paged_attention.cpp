@@ -165,6 +165,28 @@ void attend(const Task& task, const T* q, const T* key_cache, const T* value_cac
 }
 #endif
 
+// Decode requests: tasks of a group of KV heads, as many heads as still leaves ~4 tasks per thread.
+// Prefill chunks: one task per KV head and tile of kQueryTile query tokens.
+std::vector<Task> build_tasks(const int64_t* start_p, const int64_t* len_p, int64_t num_reqs, const Shape& s) {
+  const int64_t wanted = 4 * at::get_num_threads();
+  const int64_t head_groups =
+      std::clamp<int64_t>((wanted + num_reqs - 1) / std::max<int64_t>(num_reqs, 1), 1, s.num_kv_heads);
+  const int64_t decode_heads = (s.num_kv_heads + head_groups - 1) / head_groups;
+  std::vector<Task> tasks;
+  for (int64_t i = 0; i < num_reqs; ++i) {
+    const int64_t q_len = start_p[i + 1] - start_p[i];
+    TORCH_CHECK(q_len >= 0 && q_len <= len_p[i] && len_p[i] <= s.max_blocks * s.block_size, "bad lengths");
+    if (q_len == 1) {
+      for (int64_t h = 0; h < s.num_kv_heads; h += decode_heads)
+        tasks.push_back({i, h, std::min(decode_heads, s.num_kv_heads - h), 0});
+      continue;
+    }
+    for (int64_t h = 0; h < s.num_kv_heads; ++h)
+      for (int64_t first = 0; first < q_len; first += kQueryTile) tasks.push_back({i, h, 1, first});
+  }
+  return tasks;
+}
+
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& value_cache,
                            const at::Tensor& block_tables, const at::Tensor& query_start_loc,
                            const at::Tensor& seq_lens, double scale, int64_t sliding_window) {
@@ -189,22 +211,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& key_cache, con
   }
   const int64_t* start_p = starts.data_ptr<int64_t>();
   const int64_t* len_p = lens.data_ptr<int64_t>();
-  // Decode tasks take as many KV heads as still leaves ~4 tasks per thread.
-  const int64_t wanted = 4 * at::get_num_threads();
-  const int64_t head_groups = std::clamp<int64_t>((wanted + num_reqs - 1) / std::max<int64_t>(num_reqs, 1), 1, s.num_kv_heads);
-  const int64_t decode_heads = (s.num_kv_heads + head_groups - 1) / head_groups;
-  std::vector<Task> tasks;
-  for (int64_t i = 0; i < num_reqs; ++i) {
-    const int64_t q_len = start_p[i + 1] - start_p[i];
-    TORCH_CHECK(q_len >= 0 && q_len <= len_p[i] && len_p[i] <= s.max_blocks * s.block_size, "bad lengths");
-    if (q_len == 1) {
-      for (int64_t h = 0; h < s.num_kv_heads; h += decode_heads)
-        tasks.push_back({i, h, std::min(decode_heads, s.num_kv_heads - h), 0});
-      continue;
-    }
-    for (int64_t h = 0; h < s.num_kv_heads; ++h)
-      for (int64_t first = 0; first < q_len; first += kQueryTile) tasks.push_back({i, h, 1, first});
-  }
+  TORCH_CHECK(start_p[0] == 0 && start_p[num_reqs] == q.size(0), "query_start_loc must span q's tokens");
+  const std::vector<Task> tasks = build_tasks(start_p, len_p, num_reqs, s);
   auto out = at::empty_like(qc);
   TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf,
               "paged_attention takes float32, bfloat16 or float16");
