@@ -23,11 +23,12 @@ def _fraction_equal(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows", [1, 3, 64])
-def test_rms_norm_and_fused_residual_add(dtype: torch.dtype, rows: int) -> None:
+@pytest.mark.parametrize("rows", [1, 3, 64, 700])
+@pytest.mark.parametrize("hidden", [1000, 1024])  # 1024: the 16-lane vector path of bf16
+def test_rms_norm_and_fused_residual_add(dtype: torch.dtype, rows: int, hidden: int) -> None:
     torch.manual_seed(rows)
-    x, residual = torch.randn(rows, 1000).to(dtype), torch.randn(rows, 1000).to(dtype)
-    weight = torch.randn(1000).to(dtype)
+    x, residual = torch.randn(rows, hidden).to(dtype), torch.randn(rows, hidden).to(dtype)
+    weight = torch.randn(hidden).to(dtype)
     # the float32 sum of squares may be ordered differently: allow a rare last-bit difference
     assert _fraction_equal(torch.ops.pagoda_cpu.rms_norm(x, weight, 1e-6), _rms_reference(x, weight, 1e-6)) > 0.999
     normed, summed = torch.ops.pagoda_cpu.fused_add_rms_norm(x, residual, weight, 1e-6)
@@ -58,9 +59,10 @@ def test_rotary_is_bit_identical_to_the_rotate_half_expression(dtype: torch.dtyp
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_silu_and_mul_matches_silu_times_up(dtype: torch.dtype) -> None:
-    torch.manual_seed(0)
-    x = (torch.randn(9, 2 * 3072) * 4).to(dtype)
+@pytest.mark.parametrize("rows", [1, 9, 300])
+def test_silu_and_mul_matches_silu_times_up(dtype: torch.dtype, rows: int) -> None:
+    torch.manual_seed(rows)
+    x = (torch.randn(rows, 2 * 3072 + 2 * 7) * 4).to(dtype)  # a tail past the 16-lane vectors
     gate, up = x.chunk(2, dim=-1)
     assert _fraction_equal(torch.ops.pagoda_cpu.silu_and_mul(x), F.silu(gate) * up) > 0.999
 

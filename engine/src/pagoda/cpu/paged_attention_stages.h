@@ -25,6 +25,8 @@
 
 #include <immintrin.h>
 
+#include "vec_math.h"
+
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #define PAGODA_ATTN_AVX512 1
 #endif
@@ -56,31 +58,8 @@ struct Shape {
 inline int64_t paired_dim(int64_t g, int64_t l) { return (g / 2) * 32 + (g % 2) * 4 + 8 * (l / 4) + l % 4; }
 
 #ifdef PAGODA_ATTN_AVX512
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const at::BFloat16* p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-inline __m512 load16(const at::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-
-// e^x for x <= 0 (scores minus their running max): 2^n * 2^f with |f| <= 1/2 and a degree-7 Taylor
-// polynomial for 2^f (relative error < 1e-8 before float32 rounding); x below -100 gives ~0.
-inline __m512 exp_nonpositive(__m512 x) {
-  const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-100.0f)), _mm512_set1_ps(1.4426950408889634f));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_set1_ps(1.5252733804059840e-5f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.5403530393381609e-4f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
+using pagoda_simd::exp_nonpositive;
+using pagoda_simd::load16;
 
 // Running softmax state of a task's rows; scores hold one chunk, then its probabilities.
 struct Rows {
