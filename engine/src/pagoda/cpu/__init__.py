@@ -1,6 +1,6 @@
 """Native CPU kernels, compiled on first use with the machine's C++ compiler.
 
-The sources ship inside the package; :func:`cpu_ops` builds them once per machine (about 10 s,
+The sources ship inside the package; :func:`cpu_ops` builds them once per machine (about 30 s,
 cached under ``$PAGODA_CACHE_DIR`` or ``~/.cache/pagoda``) and registers them as
 ``torch.ops.pagoda_cpu.*``. When no compiler is available the callers fall back to stock PyTorch
 ops, which are slower but give the same results up to rounding.
