@@ -63,15 +63,28 @@ at::Tensor unpack_weight(const at::Tensor& packed, int64_t N, int64_t K) {
   return packed.permute({0, 2, 1, 3}).reshape({tiles * kTile, pairs * 2}).slice(0, 0, N).slice(1, 0, K).contiguous();
 }
 
+#if defined(PAGODA_BF16_DOT) || defined(PAGODA_INT16_DOT)
+// A pass's float32 sums: MR rows x 64 outputs, resumed from acc unless this is the first k chunk.
+template <int MR>
+inline void load_sums(const float* acc, bool first, __m512 (&sum)[MR][kNR]) {
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < kNR; ++j) sum[m][j] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(acc + m * kTile + j * kLanes);
+}
+
+template <int MR>
+inline void store_sums(const __m512 (&sum)[MR][kNR], float* acc) {
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < kNR; ++j) _mm512_storeu_ps(acc + m * kTile + j * kLanes, sum[m][j]);
+}
+#endif
+
 #ifdef PAGODA_BF16_DOT
 // acc[m][64] (+)= x[m] . tile rows over pairs [p0, p1); x as bf16 pairs [MR][x_pairs]
 template <int MR>
 inline void bf16_pass(const uint32_t* x, int64_t x_pairs, const uint32_t* tile, int64_t p0, int64_t p1, float* acc,
                       bool first) {
   __m512 sum[MR][kNR];
-  for (int m = 0; m < MR; ++m)
-    for (int j = 0; j < kNR; ++j)
-      sum[m][j] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(acc + m * kTile + j * kLanes);
+  load_sums<MR>(acc, first, sum);
   for (int64_t p = p0; p < p1; ++p) {
     const uint32_t* w = tile + p * kTile;
     __m512bh wv[kNR];
@@ -84,8 +97,7 @@ inline void bf16_pass(const uint32_t* x, int64_t x_pairs, const uint32_t* tile, 
       for (int j = 0; j < kNR; ++j) sum[m][j] = _mm512_dpbf16_ps(sum[m][j], xv, wv[j]);
     }
   }
-  for (int m = 0; m < MR; ++m)
-    for (int j = 0; j < kNR; ++j) _mm512_storeu_ps(acc + m * kTile + j * kLanes, sum[m][j]);
+  store_sums<MR>(sum, acc);
 }
 #endif
 
@@ -95,9 +107,7 @@ template <int MR>
 inline void int8_pass(const uint32_t* x, int64_t x_pairs, const int8_t* tile, int64_t p0, int64_t p1, float* acc,
                       bool first) {
   __m512 sum[MR][kNR];
-  for (int m = 0; m < MR; ++m)
-    for (int j = 0; j < kNR; ++j)
-      sum[m][j] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(acc + m * kTile + j * kLanes);
+  load_sums<MR>(acc, first, sum);
   for (int64_t c0 = p0; c0 < p1; c0 += kInt8ChunkPairs) {
     const int64_t c1 = std::min(p1, c0 + kInt8ChunkPairs);
     __m512i isum[MR][kNR];
@@ -118,8 +128,7 @@ inline void int8_pass(const uint32_t* x, int64_t x_pairs, const int8_t* tile, in
     for (int m = 0; m < MR; ++m)
       for (int j = 0; j < kNR; ++j) sum[m][j] = _mm512_add_ps(sum[m][j], _mm512_cvtepi32_ps(isum[m][j]));
   }
-  for (int m = 0; m < MR; ++m)
-    for (int j = 0; j < kNR; ++j) _mm512_storeu_ps(acc + m * kTile + j * kLanes, sum[m][j]);
+  store_sums<MR>(sum, acc);
 }
 #endif
 
