@@ -143,3 +143,12 @@ def test_decode_tasks_spanning_several_kv_heads_match_sdpa(num_reqs, monkeypatch
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(alone, got)  # the task split never changes a result
+
+
+def test_block_table_entries_outside_the_cache_raise():
+    q, k, v, kv_cache, meta = make_step([1], [20], 4, 2, 32, 16, torch.bfloat16)
+    starts, lens = torch.tensor(meta.query_start_loc), torch.tensor(meta.seq_lens)
+    tables = meta.block_tables.clone()
+    tables[0, 1] = kv_cache.shape[1]  # one past the last block, read by positions 16..19
+    with pytest.raises(RuntimeError, match="must index the cache"):
+        torch.ops.pagoda_cpu.paged_attention(q, kv_cache[0], kv_cache[1], tables, starts, lens, 1.0, 0)

@@ -167,7 +167,10 @@ void attend(const Task& task, const T* q, const T* key_cache, const T* value_cac
 
 // Decode requests: tasks of a group of KV heads, as many heads as still leaves ~4 tasks per thread.
 // Prefill chunks: one task per KV head and tile of kQueryTile query tokens.
-std::vector<Task> build_tasks(const int64_t* start_p, const int64_t* len_p, int64_t num_reqs, const Shape& s) {
+// Also checks that every block a request reads indexes the cache (a plain loop over the used entries: two ATen
+// reductions over the whole table cost more than that on every layer).
+std::vector<Task> build_tasks(const int64_t* start_p, const int64_t* len_p, const int64_t* tables, int64_t num_reqs,
+                              int64_t num_blocks, const Shape& s) {
   const int64_t wanted = 4 * at::get_num_threads();
   const int64_t head_groups =
       std::clamp<int64_t>((wanted + num_reqs - 1) / std::max<int64_t>(num_reqs, 1), 1, s.num_kv_heads);
@@ -176,6 +179,10 @@ std::vector<Task> build_tasks(const int64_t* start_p, const int64_t* len_p, int6
   for (int64_t i = 0; i < num_reqs; ++i) {
     const int64_t q_len = start_p[i + 1] - start_p[i];
     TORCH_CHECK(q_len >= 0 && q_len <= len_p[i] && len_p[i] <= s.max_blocks * s.block_size, "bad lengths");
+    for (int64_t b = 0; b * s.block_size < len_p[i]; ++b) {
+      const int64_t block = tables[i * s.max_blocks + b];
+      TORCH_CHECK(block >= 0 && block < num_blocks, "block table entries must index the cache's ", num_blocks, " blocks");
+    }
     if (q_len == 1) {
       for (int64_t h = 0; h < s.num_kv_heads; h += decode_heads)
         tasks.push_back({i, h, std::min(decode_heads, s.num_kv_heads - h), 0});
@@ -205,14 +212,10 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& key_cache, con
   auto lens = seq_lens.to(at::kLong).contiguous();
   const int64_t num_reqs = lens.numel();
   TORCH_CHECK(starts.numel() == num_reqs + 1 && tables.size(0) == num_reqs, "one block table and length per request");
-  if (tables.numel() > 0) {
-    TORCH_CHECK(tables.min().item<int64_t>() >= 0 && tables.max().item<int64_t>() < key_cache.size(0),
-                "block table entries must index the cache's ", key_cache.size(0), " blocks");
-  }
   const int64_t* start_p = starts.data_ptr<int64_t>();
   const int64_t* len_p = lens.data_ptr<int64_t>();
   TORCH_CHECK(start_p[0] == 0 && start_p[num_reqs] == q.size(0), "query_start_loc must span q's tokens");
-  const std::vector<Task> tasks = build_tasks(start_p, len_p, num_reqs, s);
+  const std::vector<Task> tasks = build_tasks(start_p, len_p, tables.data_ptr<int64_t>(), num_reqs, key_cache.size(0), s);
   auto out = at::empty_like(qc);
   TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf,
               "paged_attention takes float32, bfloat16 or float16");
