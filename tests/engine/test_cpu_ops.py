@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagoda.cpu import cpu_ops, use_fused_ops
+from pagoda.cpu import argmax_rows, cpu_ops, use_fused_ops
 
 pytestmark = pytest.mark.skipif(not cpu_ops(), reason="native CPU kernels could not be built (no compiler)")
 DTYPES = [torch.bfloat16, torch.float16]
@@ -70,3 +70,26 @@ def test_silu_and_mul_matches_silu_times_up(dtype: torch.dtype, rows: int) -> No
 def test_fused_ops_serve_16_bit_cpu_activations_only() -> None:
     assert use_fused_ops(torch.zeros(1, dtype=torch.bfloat16))
     assert not use_fused_ops(torch.zeros(1, dtype=torch.float32))  # float32 stays on PyTorch, bit-exact to HF
+
+
+@pytest.mark.parametrize("width", [1, 17, 32, 33, 1000, 151936])  # below, at and past the 16-lane vector path
+def test_argmax_rows_returns_torch_argmax_including_ties(width: int) -> None:
+    torch.manual_seed(width)
+    logits = torch.randn(9, width)
+    for row, ties in enumerate(range(1, 4)):  # the maximum repeated at random places: the first one wins
+        places = torch.randint(0, width, (ties,))
+        logits[row, places] = logits.max() + 1
+    logits[5] = logits[5].round()  # many exact ties among lower values
+    assert torch.equal(argmax_rows(logits), logits.argmax(dim=-1))
+    assert torch.equal(argmax_rows(logits[::2]), logits[::2].argmax(dim=-1))  # a strided view
+
+
+def test_argmax_rows_handles_nan_and_infinities_like_torch() -> None:
+    logits = torch.randn(4, 100)
+    logits[0, 70] = float("nan")  # in the vector part: NaN counts as the largest
+    logits[1, 99] = float("nan")  # in the tail
+    logits[2, 5] = float("inf")
+    logits[3] = float("-inf")  # nothing finite: index 0
+    logits[0, 80] = float("nan")
+    assert torch.equal(argmax_rows(logits), logits.argmax(dim=-1))
+    assert argmax_rows(logits).tolist() == [70, 99, 5, 0]

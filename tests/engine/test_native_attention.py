@@ -152,3 +152,31 @@ def test_block_table_entries_outside_the_cache_raise():
     tables[0, 1] = kv_cache.shape[1]  # one past the last block, read by positions 16..19
     with pytest.raises(RuntimeError, match="must index the cache"):
         torch.ops.pagoda_cpu.paged_attention(q, kv_cache[0], kv_cache[1], tables, starts, lens, 1.0, 0)
+
+
+def test_key_value_views_of_a_fused_qkv_row_are_written_like_index_copy(monkeypatch):
+    # the model hands k and v as per-head views of its fused qkv output (token stride > kv_heads * head_dim)
+    spec = AttentionLayerSpec(4, 2, 32, 32**-0.5)
+    q, _, _, kv_cache, meta = make_step([5, 1], [5, 30], 4, 2, 32, 16, torch.bfloat16, seed=3)
+    qkv = torch.randn(6, (4 + 2 + 2) * 32).to(torch.bfloat16)
+    k = qkv[:, 4 * 32 : 6 * 32].view(6, 2, 32)
+    v = qkv[:, 6 * 32 :].view(6, 2, 32)
+    assert not k.is_contiguous()
+    want, want_cache = attend((q, k, v, kv_cache, meta), spec, native=False, monkeypatch=monkeypatch)
+    got, got_cache = attend((q, k, v, kv_cache, meta), spec, native=True, monkeypatch=monkeypatch)
+    assert torch.equal(got_cache, want_cache)
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_slots_outside_the_cache_raise_before_anything_is_written():
+    q, k, v, kv_cache, meta = make_step([2], [2], 4, 2, 32, 16, torch.bfloat16)
+    starts, lens = torch.tensor(meta.query_start_loc), torch.tensor(meta.seq_lens)
+    before = kv_cache.clone()
+    slots = torch.tensor([0, kv_cache.shape[1] * kv_cache.shape[2]])  # the second is one past the last slot
+    with pytest.raises(RuntimeError, match="must index the cache"):
+        torch.ops.pagoda_cpu.paged_attention(
+            q, kv_cache[0], kv_cache[1], meta.block_tables, starts, lens, 1.0, 0, k, v, slots
+        )
+    assert torch.equal(kv_cache, before)
+    with pytest.raises(RuntimeError, match="come together"):
+        torch.ops.pagoda_cpu.paged_attention(q, kv_cache[0], kv_cache[1], meta.block_tables, starts, lens, 1.0, 0, k)

@@ -120,6 +120,39 @@ def test_int8_layer_gives_the_same_product_on_both_sides_of_the_native_row_limit
     torch.testing.assert_close(got.float(), want, atol=tol * float(want.abs().max()), rtol=0)
 
 
+def _kernels_for_float_output(dtype: torch.dtype) -> list:
+    torch.manual_seed(1)
+    weight, bias = torch.randn(130, 600, dtype=dtype), torch.randn(130, dtype=dtype)
+    kernels: list = [Int8WeightOnlyLinear.from_weight(weight, bias)]
+    if dtype == torch.bfloat16 and native_linear_support(NATIVE_BF16):
+        kernels.append(NativeBf16Linear.from_weight(weight, bias))
+    if onednn_packing_available(dtype):
+        kernels.append(PackedLinear.from_weight(weight, bias))
+    return kernels
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [1, 7, 16, 40, 3 * INT8_NATIVE_MAX_ROWS])
+def test_float_output_equals_the_output_widened_to_float32(dtype: torch.dtype, rows: int) -> None:
+    """Logits: every kernel's one-pass float32 output is exactly ``kernel(x).float()`` (HF rounds them too)."""
+    x = torch.randn(2, rows, 600).to(dtype)
+    for kernel in _kernels_for_float_output(dtype):
+        got = kernel.float_output(x)
+        assert got.dtype == torch.float32 and got.shape == (2, rows, 130), kernel.name
+        assert torch.equal(got, kernel(x).float()), kernel.name
+
+
+def test_linear_layer_float32_forward_with_and_without_a_kernel() -> None:
+    torch.manual_seed(2)
+    layer = Linear(96, 40, bias=False, dtype=torch.bfloat16)
+    layer.weight.data.copy_(torch.randn(40, 96))
+    x = torch.randn(3, 96, dtype=torch.bfloat16)
+    plain = layer.forward_float32(x)
+    assert plain.dtype == torch.float32 and torch.equal(plain, F.linear(x, layer.weight).float())
+    layer.set_kernel(Int8WeightOnlyLinear.from_weight(layer.weight, None))
+    assert torch.equal(layer.forward_float32(x), layer(x).float())
+
+
 @pytest.mark.skipif(not onednn_packing_available(torch.bfloat16), reason="oneDNN bf16 is not available here")
 def test_packed_bf16_linear_is_bit_identical_to_f_linear() -> None:
     torch.manual_seed(0)

@@ -69,6 +69,18 @@ def use_fused_ops(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and x.dtype in _FUSED_DTYPES and cpu_ops()
 
 
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(dim=-1)`` for [rows, vocab] logits: the same indices (first on ties, NaN wins).
+
+    float32 CPU logits take the native vectorised op: ATen's argmax scanned [32, 151936] logits
+    in ~2.2 ms of a 130 ms decode step, the native op in ~0.3 ms.
+    """
+    native = logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2
+    if native and logits.shape[1] > 0 and cpu_ops():
+        return torch.ops.pagoda_cpu.argmax_rows(logits)
+    return logits.argmax(dim=-1)
+
+
 # glibc mallopt parameters (malloc.h)
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3

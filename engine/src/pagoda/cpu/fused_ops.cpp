@@ -208,9 +208,63 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   return out;
 }
 
+// Index of the row's largest value, the first one on ties; a NaN counts as the largest (torch.argmax).
+int64_t argmax_row(const float* x, int64_t n) {
+  int64_t i = 0, best = 0;
+  float best_value = x[0];
+#ifdef __AVX512F__
+  if (n >= 32) {  // per-lane running max and its first index, then the first index of the overall max
+    __m512 top = _mm512_loadu_ps(x);
+    __m512i top_index = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    __m512i index = top_index;
+    __mmask16 nan = _mm512_cmp_ps_mask(top, top, _CMP_UNORD_Q);
+    for (i = 16; i + 16 <= n; i += 16) {
+      index = _mm512_add_epi32(index, _mm512_set1_epi32(16));
+      const __m512 v = _mm512_loadu_ps(x + i);
+      nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+      const __mmask16 greater = _mm512_cmp_ps_mask(v, top, _CMP_GT_OQ);
+      top = _mm512_mask_mov_ps(top, greater, v);
+      top_index = _mm512_mask_mov_epi32(top_index, greater, index);
+    }
+    if (nan != 0) {
+      for (int64_t j = 0; j < i; ++j)
+        if (std::isnan(x[j])) return j;
+    }
+    best_value = _mm512_reduce_max_ps(top);
+    const __mmask16 at_max = _mm512_cmp_ps_mask(top, _mm512_set1_ps(best_value), _CMP_EQ_OQ);
+    best = _mm512_mask_reduce_min_epi32(at_max, top_index);
+  }
+#endif
+  for (; i < n; ++i) {  // the tail's indices are larger: only a strictly greater value (or a NaN) wins
+    if (std::isnan(x[i])) return i;
+    if (x[i] > best_value) {
+      best_value = x[i];
+      best = i;
+    }
+  }
+  return best;
+}
+
+// Greedy sampling: argmax over the last dim of [rows, n] float32 logits, as torch.argmax(dim=-1) returns it.
+at::Tensor argmax_rows(const at::Tensor& logits) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.size(1) > 0,
+              "argmax_rows takes [rows, n] float32 with n > 0");
+  TORCH_CHECK(logits.size(1) < (int64_t{1} << 31), "rows are limited to 2^31 values");
+  auto x = logits.contiguous();
+  const int64_t rows = x.size(0), n = x.size(1);
+  auto out = at::empty({rows}, x.options().dtype(at::kLong));
+  const float* px = x.data_ptr<float>();
+  int64_t* po = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, std::max<int64_t>(1, 32768 / n), [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) po[r] = argmax_row(px + r * n, n);
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pagoda_cpu, m) {
+  m.def("argmax_rows(Tensor logits) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("fused_add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("rotary(Tensor x, Tensor cos, Tensor sin) -> Tensor");
@@ -222,4 +276,5 @@ TORCH_LIBRARY_IMPL(pagoda_cpu, CPU, m) {
   m.impl("fused_add_rms_norm", &fused_add_rms_norm);
   m.impl("rotary", &rotary);
   m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("argmax_rows", &argmax_rows);
 }

@@ -63,6 +63,19 @@ at::Tensor unpack_weight(const at::Tensor& packed, int64_t N, int64_t K) {
   return packed.permute({0, 2, 1, 3}).reshape({tiles * kTile, pairs * 2}).slice(0, 0, N).slice(1, 0, K).contiguous();
 }
 
+// Lines of the next weight chunk that one row pass pulls into L2 while it computes on the current one. With
+// several passes per chunk only the first would otherwise touch DRAM, in a burst at several times the
+// average bandwidth; spreading the next chunk over all passes keeps the stream steady. lines == 0: the
+// pass streams its own chunk instead (a single pass per chunk, as at decode).
+struct Prefetch {
+  const char* begin = nullptr;
+  int64_t lines = 0;
+  int64_t steps = 1;  // the pass's k pairs: its lines are spread evenly over them
+  inline void step(int64_t i) const {
+    for (int64_t l = i * lines / steps; l < (i + 1) * lines / steps; ++l) _mm_prefetch(begin + l * 64, _MM_HINT_T1);
+  }
+};
+
 #if defined(PAGODA_BF16_DOT) || defined(PAGODA_INT16_DOT)
 // A pass's float32 sums: MR rows x 64 outputs, resumed from acc unless this is the first k chunk.
 template <int MR>
@@ -82,16 +95,19 @@ inline void store_sums(const __m512 (&sum)[MR][kNR], float* acc) {
 // acc[m][64] (+)= x[m] . tile rows over pairs [p0, p1); x as bf16 pairs [MR][x_pairs]
 template <int MR>
 inline void bf16_pass(const uint32_t* x, int64_t x_pairs, const uint32_t* tile, int64_t p0, int64_t p1, float* acc,
-                      bool first) {
+                      bool first, Prefetch next) {
   __m512 sum[MR][kNR];
   load_sums<MR>(acc, first, sum);
   for (int64_t p = p0; p < p1; ++p) {
     const uint32_t* w = tile + p * kTile;
     __m512bh wv[kNR];
-    for (int j = 0; j < kNR; ++j) {
-      _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetchPairs * kTile + j * kLanes), _MM_HINT_T0);
-      wv[j] = (__m512bh)_mm512_loadu_si512(w + j * kLanes);
+    if (next.lines == 0) {
+      for (int j = 0; j < kNR; ++j)
+        _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetchPairs * kTile + j * kLanes), _MM_HINT_T0);
+    } else {
+      next.step(p - p0);
     }
+    for (int j = 0; j < kNR; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(w + j * kLanes);
     for (int m = 0; m < MR; ++m) {
       const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[m * x_pairs + p]));
       for (int j = 0; j < kNR; ++j) sum[m][j] = _mm512_dpbf16_ps(sum[m][j], xv, wv[j]);
@@ -144,25 +160,29 @@ inline void dispatch_rows(int64_t rows, Args... args) {
 #ifdef PAGODA_BF16_DOT
 template <int MR>
 struct Bf16Pass {
-  static void run(const uint32_t* x, int64_t xp, const void* t, int64_t p0, int64_t p1, float* acc, bool first) {
-    bf16_pass<MR>(x, xp, static_cast<const uint32_t*>(t), p0, p1, acc, first);
+  static void run(const uint32_t* x, int64_t xp, const void* t, int64_t p0, int64_t p1, float* acc, bool first,
+                  Prefetch next) {
+    bf16_pass<MR>(x, xp, static_cast<const uint32_t*>(t), p0, p1, acc, first, next);
   }
 };
 #endif
 #ifdef PAGODA_INT16_DOT
 template <int MR>
 struct Int8Pass {
-  static void run(const uint32_t* x, int64_t xp, const void* t, int64_t p0, int64_t p1, float* acc, bool first) {
+  static void run(const uint32_t* x, int64_t xp, const void* t, int64_t p0, int64_t p1, float* acc, bool first,
+                  Prefetch) {
     int8_pass<MR>(x, xp, static_cast<const int8_t*>(t), p0, p1, acc, first);
   }
 };
 #endif
 
 // y[m, n0 + j] = acc[m][j] * col_scale[n0 + j] * row_scale[m] + bias[n0 + j] for one tile (scales and bias
-// optional). Vectorised for bf16 outputs: at 32 rows a scalar epilogue cost ~15% of a K=1024 tile's dot products.
-template <typename scalar_t>
+// optional), rounded to scalar_t (the activation dtype) and stored as out_t: scalar_t, or float32 for logits,
+// which then equal `y.float()` without a second pass over them. Vectorised for bf16: at 32 rows a scalar
+// epilogue cost ~15% of a K=1024 tile's dot products.
+template <typename scalar_t, typename out_t>
 inline void store_tile(const float* acc, int64_t M, int64_t n0, const float* col_scale, const float* row_scale,
-                       const float* bias, scalar_t* y, int64_t N) {
+                       const float* bias, out_t* y, int64_t N) {
   const int64_t width = std::min(N - n0, kTile);
   for (int64_t m = 0; m < M; ++m) {
     const float rs = row_scale != nullptr ? row_scale[m] : 1.0f;
@@ -173,7 +193,12 @@ inline void store_tile(const float* acc, int64_t M, int64_t n0, const float* col
         __m512 v = _mm512_loadu_ps(acc + m * kTile + j);
         if (col_scale != nullptr) v = _mm512_mul_ps(v, _mm512_mul_ps(_mm512_loadu_ps(col_scale + n0 + j), _mm512_set1_ps(rs)));
         if (bias != nullptr) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + n0 + j));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + m * N + n0 + j), (__m256i)_mm512_cvtneps_pbh(v));
+        const __m256i rounded = (__m256i)_mm512_cvtneps_pbh(v);
+        if constexpr (std::is_same_v<out_t, float>) {
+          _mm512_storeu_ps(y + m * N + n0 + j, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(rounded), 16)));
+        } else {
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + m * N + n0 + j), rounded);
+        }
       }
     }
 #endif
@@ -181,27 +206,35 @@ inline void store_tile(const float* acc, int64_t M, int64_t n0, const float* col
       float v = acc[m * kTile + j];
       if (col_scale != nullptr) v *= col_scale[n0 + j] * rs;
       if (bias != nullptr) v += bias[n0 + j];
-      y[m * N + n0 + j] = static_cast<scalar_t>(v);
+      y[m * N + n0 + j] = static_cast<out_t>(static_cast<scalar_t>(v));
     }
   }
 }
 
 // out[m, n] = acc * col_scale[n] * row_scale[m] + bias[n] for every tile; x: [M][pairs] 32-bit pairs.
-template <template <int> class Pass, typename scalar_t>
+template <template <int> class Pass, typename scalar_t, typename out_t>
 void run_tiles(const uint32_t* x, int64_t M, int64_t pairs, const char* packed, int64_t tile_bytes, int64_t tiles,
-               const float* col_scale, const float* row_scale, const float* bias, scalar_t* y, int64_t N) {
+               const float* col_scale, const float* row_scale, const float* bias, out_t* y, int64_t N) {
   const int64_t chunk = M <= kMR ? pairs : kChunkPairs;
+  const int64_t passes = (M + kMR - 1) / kMR, pair_bytes = tile_bytes / pairs;
   at::parallel_for(0, tiles, 1, [&](int64_t t_begin, int64_t t_end) {
     std::vector<float> acc(M * kTile);
+    const char* range_end = packed + t_end * tile_bytes;
     for (int64_t t = t_begin; t < t_end; ++t) {
       const char* tile = packed + t * tile_bytes;
       for (int64_t p0 = 0; p0 < pairs; p0 += chunk) {
         const int64_t p1 = std::min(pairs, p0 + chunk);
-        for (int64_t m0 = 0; m0 < M; m0 += kMR)
+        const char* next = tile + p1 * pair_bytes;  // the next chunk follows in memory, also across tiles
+        const int64_t next_lines = passes > 1 ? (std::min(range_end - next, chunk * pair_bytes) + 63) / 64 : 0;
+        const int64_t per_pass = (next_lines + passes - 1) / passes;
+        for (int64_t m0 = 0, i = 0; m0 < M; m0 += kMR, ++i) {
+          const Prefetch pf{next + i * per_pass * 64, std::max<int64_t>(0, std::min(per_pass, next_lines - i * per_pass)),
+                            p1 - p0};
           dispatch_rows<Pass, kMR>(std::min<int64_t>(kMR, M - m0), x + m0 * pairs, pairs,
-                                   static_cast<const void*>(tile), p0, p1, acc.data() + m0 * kTile, p0 == 0);
+                                   static_cast<const void*>(tile), p0, p1, acc.data() + m0 * kTile, p0 == 0, pf);
+        }
       }
-      store_tile(acc.data(), M, t * kTile, col_scale, row_scale, bias, y, N);
+      store_tile<scalar_t>(acc.data(), M, t * kTile, col_scale, row_scale, bias, y, N);
     }
   });
 }
@@ -219,8 +252,9 @@ void check_packed(const at::Tensor& x, const at::Tensor& packed, int64_t N) {
               packed.size(1) * 2, " (padded)");
 }
 
-at::Tensor output_like(const at::Tensor& x, int64_t N, int64_t M) {
-  return at::empty({M, N}, x.options());
+// [M, N] in x's dtype, or float32 with float_out
+at::Tensor output_like(const at::Tensor& x, int64_t N, int64_t M, bool float_out) {
+  return at::empty({M, N}, float_out ? x.options().dtype(at::kFloat) : x.options());
 }
 
 at::Tensor view_output(const at::Tensor& y, const at::Tensor& x, int64_t N) {
@@ -229,7 +263,8 @@ at::Tensor view_output(const at::Tensor& y, const at::Tensor& x, int64_t N) {
   return y.view(sizes);
 }
 
-at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N, const std::optional<at::Tensor>& bias) {
+at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N, const std::optional<at::Tensor>& bias,
+                       bool float_out) {
 #ifdef PAGODA_BF16_DOT
   check_packed(x, packed, N);
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16, "bf16_linear takes bf16");
@@ -238,12 +273,19 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
   if (pairs * 2 != K) x2 = at::constant_pad_nd(x2, {0, pairs * 2 - K});
   x2 = x2.contiguous();
   const int64_t M = x2.size(0);
-  auto y = output_like(x, N, M);
+  auto y = output_like(x, N, M, float_out);
   auto b = float_bias(bias);
-  run_tiles<Bf16Pass, at::BFloat16>(reinterpret_cast<const uint32_t*>(x2.data_ptr()), M, pairs,
-                                    static_cast<const char*>(packed.data_ptr()), pairs * kTile * 2 * 2,
-                                    packed.size(0), nullptr, nullptr, b.defined() ? b.data_ptr<float>() : nullptr,
-                                    y.data_ptr<at::BFloat16>(), N);
+  const auto* xp = reinterpret_cast<const uint32_t*>(x2.data_ptr());
+  const auto* wp = static_cast<const char*>(packed.data_ptr());
+  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+  const int64_t tile_bytes = pairs * kTile * 2 * 2;
+  if (float_out) {
+    run_tiles<Bf16Pass, at::BFloat16>(xp, M, pairs, wp, tile_bytes, packed.size(0), nullptr, nullptr, bp,
+                                      y.data_ptr<float>(), N);
+  } else {
+    run_tiles<Bf16Pass, at::BFloat16>(xp, M, pairs, wp, tile_bytes, packed.size(0), nullptr, nullptr, bp,
+                                      y.data_ptr<at::BFloat16>(), N);
+  }
   return view_output(y, x, N);
 #else
   TORCH_CHECK(false, "bf16_linear needs AVX512-BF16, which this build lacks");
@@ -279,8 +321,9 @@ inline void widen_int8(const int8_t* q, int64_t count, uint32_t* out) {
 }
 
 // y = (x @ q^T) * col_scale + bias for bf16 x: [M][pairs] bf16 pairs.
+template <typename out_t>
 void int8_widened_tiles(const uint32_t* x, int64_t M, int64_t pairs, const int8_t* packed, int64_t tiles,
-                        const float* col_scale, const float* bias, at::BFloat16* y, int64_t N) {
+                        const float* col_scale, const float* bias, out_t* y, int64_t N) {
   at::parallel_for(0, tiles, 1, [&](int64_t t_begin, int64_t t_end) {
     std::vector<float> acc(M * kTile);
     std::vector<uint32_t> wide(kChunkPairs * kTile);
@@ -292,16 +335,16 @@ void int8_widened_tiles(const uint32_t* x, int64_t M, int64_t pairs, const int8_
         for (int64_t m0 = 0; m0 < M; m0 += kMR)
           dispatch_rows<Bf16Pass, kMR>(std::min<int64_t>(kMR, M - m0), x + m0 * pairs + p0, pairs,
                                        static_cast<const void*>(wide.data()), int64_t{0}, n_pairs,
-                                       acc.data() + m0 * kTile, p0 == 0);
+                                       acc.data() + m0 * kTile, p0 == 0, Prefetch{});
       }
-      store_tile(acc.data(), M, t * kTile, col_scale, static_cast<const float*>(nullptr), bias, y, N);
+      store_tile<at::BFloat16>(acc.data(), M, t * kTile, col_scale, static_cast<const float*>(nullptr), bias, y, N);
     }
   });
 }
 #endif
 
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t N,
-                       const std::optional<at::Tensor>& bias) {
+                       const std::optional<at::Tensor>& bias, bool float_out) {
 #ifdef PAGODA_INT16_DOT
   check_packed(x, packed, N);
   TORCH_CHECK(packed.scalar_type() == at::kChar, "int8_linear takes an int8 packed weight");
@@ -314,10 +357,16 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
     auto xb = x.reshape({-1, K});
     if (pairs * 2 != K) xb = at::constant_pad_nd(xb, {0, pairs * 2 - K});
     xb = xb.contiguous();
-    auto y = output_like(x, N, xb.size(0));
-    int8_widened_tiles(reinterpret_cast<const uint32_t*>(xb.data_ptr()), xb.size(0), pairs,
-                       static_cast<const int8_t*>(packed.data_ptr()), packed.size(0), s.data_ptr<float>(),
-                       b.defined() ? b.data_ptr<float>() : nullptr, y.data_ptr<at::BFloat16>(), N);
+    auto y = output_like(x, N, xb.size(0), float_out);
+    const auto* xp = reinterpret_cast<const uint32_t*>(xb.data_ptr());
+    const auto* wp = static_cast<const int8_t*>(packed.data_ptr());
+    const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+    if (float_out) {
+      int8_widened_tiles(xp, xb.size(0), pairs, wp, packed.size(0), s.data_ptr<float>(), bp, y.data_ptr<float>(), N);
+    } else {
+      int8_widened_tiles(xp, xb.size(0), pairs, wp, packed.size(0), s.data_ptr<float>(), bp,
+                         y.data_ptr<at::BFloat16>(), N);
+    }
     return view_output(y, x, N);
   }
 #endif
@@ -326,12 +375,18 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   auto a = at::empty({M, pairs * 2}, x.options().dtype(at::kShort));
   auto row_scale = at::empty({M}, x.options().dtype(at::kFloat));
   quantize_rows(x2.data_ptr<float>(), M, K, pairs * 2, a.data_ptr<int16_t>(), row_scale.data_ptr<float>());
-  auto y = output_like(x, N, M);
+  auto y = output_like(x, N, M, float_out);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "int8_linear", [&] {
-    run_tiles<Int8Pass, scalar_t>(reinterpret_cast<const uint32_t*>(a.data_ptr()), M, pairs,
-                                  static_cast<const char*>(packed.data_ptr()), pairs * kTile * 2, packed.size(0),
-                                  s.data_ptr<float>(), row_scale.data_ptr<float>(),
-                                  b.defined() ? b.data_ptr<float>() : nullptr, y.data_ptr<scalar_t>(), N);
+    const auto* ap = reinterpret_cast<const uint32_t*>(a.data_ptr());
+    const auto* wp = static_cast<const char*>(packed.data_ptr());
+    const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+    if (float_out) {
+      run_tiles<Int8Pass, scalar_t>(ap, M, pairs, wp, pairs * kTile * 2, packed.size(0), s.data_ptr<float>(),
+                                    row_scale.data_ptr<float>(), bp, y.data_ptr<float>(), N);
+    } else {
+      run_tiles<Int8Pass, scalar_t>(ap, M, pairs, wp, pairs * kTile * 2, packed.size(0), s.data_ptr<float>(),
+                                    row_scale.data_ptr<float>(), bp, y.data_ptr<scalar_t>(), N);
+    }
   });
   return view_output(y, x, N);
 #else
@@ -356,8 +411,9 @@ int64_t packed_linear_support() {
 TORCH_LIBRARY_FRAGMENT(pagoda_cpu, m) {
   m.def("pack_linear_weight(Tensor weight) -> Tensor");
   m.def("unpack_linear_weight(Tensor packed, int n, int k) -> Tensor");
-  m.def("bf16_linear(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor");
-  m.def("int8_linear(Tensor x, Tensor packed, Tensor scales, int n, Tensor? bias) -> Tensor");
+  // float_out: float32 output holding the x-dtype rounding of every value, i.e. y.float() in one pass (logits)
+  m.def("bf16_linear(Tensor x, Tensor packed, int n, Tensor? bias, bool float_out=False) -> Tensor");
+  m.def("int8_linear(Tensor x, Tensor packed, Tensor scales, int n, Tensor? bias, bool float_out=False) -> Tensor");
   m.def("packed_linear_support() -> int", &packed_linear_support);
 }
 

@@ -12,6 +12,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <cstring>
+
 #include "paged_attention_stages.h"
 
 namespace {
@@ -73,6 +75,23 @@ std::pair<int64_t, int64_t> setup_rows(Rows& rows, const Task& task, const T* q,
   return {lo, hi};
 }
 
+#ifdef PAGODA_ATTN_BF16_DOT
+// orow = bf16(acc * inv) with acc in paired_dim order: per 32 dims, groups 2b and 2b + 1 hold dims
+// {0-3, 8-11, 16-19, 24-27} and {4-7, 12-15, 20-23, 28-31} (+32b); two permutes restore the order.
+inline void store_paired_row(const float* acc, int64_t dim, float inv, at::BFloat16* orow) {
+  const __m512i first = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
+  const __m512i second = _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8);
+  const __m512 scale = _mm512_set1_ps(inv);
+  for (int64_t d = 0; d < dim; d += 32) {
+    const __m512 a = _mm512_loadu_ps(acc + d), b = _mm512_loadu_ps(acc + d + 16);
+    const __m512 lo = _mm512_mul_ps(_mm512_permutex2var_ps(a, first, b), scale);
+    const __m512 hi = _mm512_mul_ps(_mm512_permutex2var_ps(a, second, b), scale);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(orow + d), (__m256i)_mm512_cvtneps_pbh(lo));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(orow + d + 16), (__m256i)_mm512_cvtneps_pbh(hi));
+  }
+}
+#endif
+
 template <typename T>
 void finish_rows(const Rows& rows, const Task& task, int64_t query_start, const Shape& s, bool tiles, T* out) {
   const int64_t group = s.num_heads / s.num_kv_heads, D = s.head_dim;
@@ -82,6 +101,14 @@ void finish_rows(const Rows& rows, const Task& task, int64_t query_start, const 
     T* orow = out + ((query_start + token) * s.num_heads + head) * D;
     const float inv = rows.sum[r] > 0.0f ? 1.0f / rows.sum[r] : 0.0f;
     const float* ar = rows.acc + r * D;
+#ifdef PAGODA_ATTN_BF16_DOT
+    if constexpr (is_bf16<T>()) {
+      if (tiles) {
+        store_paired_row(ar, D, inv, orow);
+        continue;
+      }
+    }
+#endif
     for (int64_t i = 0; i < D; ++i) {
       const int64_t d = tiles ? paired_dim(i / 16, i % 16) : i;
       orow[d] = static_cast<T>(ar[i] * inv);
@@ -194,9 +221,38 @@ std::vector<Task> build_tasks(const int64_t* start_p, const int64_t* len_p, cons
   return tasks;
 }
 
-at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& value_cache,
+// cache rows [slot] = rows [token] for this step's K or V: one dispatch for both caches instead of two
+// index_copy_ calls per layer. rows may be a per-head view of the fused qkv output (token stride > width).
+void write_cache(at::Tensor& cache, const at::Tensor& rows, const int64_t* slots, int64_t num_tokens) {
+  TORCH_CHECK(rows.dim() == 3 && rows.size(0) == num_tokens && rows.size(1) == cache.size(2) &&
+                  rows.size(2) == cache.size(3) && rows.scalar_type() == cache.scalar_type(),
+              "key/value must be [tokens, kv_heads, head_dim] in the cache's dtype");
+  const int64_t width = cache.size(2) * cache.size(3);
+  const at::Tensor src = rows.stride(2) == 1 && rows.stride(1) == rows.size(2) ? rows : rows.contiguous();
+  const int64_t stride = src.stride(0), bytes = width * cache.element_size();
+  const char* from = static_cast<const char*>(src.data_ptr());
+  char* to = static_cast<char*>(cache.data_ptr());
+  at::parallel_for(0, num_tokens, 64, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) std::memcpy(to + slots[t] * bytes, from + t * stride * cache.element_size(), bytes);
+  });
+}
+
+void write_caches(at::Tensor& key_cache, at::Tensor& value_cache, const at::Tensor& key, const at::Tensor& value,
+                  const at::Tensor& slot_mapping) {
+  const auto slots = slot_mapping.to(at::kLong).contiguous();
+  const int64_t num_tokens = slots.numel(), num_slots = key_cache.size(0) * key_cache.size(1);
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < num_tokens; ++t)
+    TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, "slot_mapping entries must index the cache's ", num_slots, " slots");
+  write_cache(key_cache, key, sp, num_tokens);
+  write_cache(value_cache, value, sp, num_tokens);
+}
+
+at::Tensor paged_attention(const at::Tensor& q, at::Tensor& key_cache, at::Tensor& value_cache,
                            const at::Tensor& block_tables, const at::Tensor& query_start_loc,
-                           const at::Tensor& seq_lens, double scale, int64_t sliding_window) {
+                           const at::Tensor& seq_lens, double scale, int64_t sliding_window,
+                           const std::optional<at::Tensor>& key, const std::optional<at::Tensor>& value,
+                           const std::optional<at::Tensor>& slot_mapping) {
 #ifdef PAGODA_ATTN_AVX512
   TORCH_CHECK(q.dim() == 3 && key_cache.dim() == 4, "q [tokens, heads, dim], caches [blocks, block, kv_heads, dim]");
   TORCH_CHECK(q.scalar_type() == key_cache.scalar_type() && key_cache.scalar_type() == value_cache.scalar_type(),
@@ -206,6 +262,9 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& key_cache, con
           static_cast<float>(scale), sliding_window};
   TORCH_CHECK(s.head_dim % 16 == 0 && s.head_dim <= kMaxHeadDim, "head_dim must be a multiple of 16, at most 256");
   TORCH_CHECK(s.num_heads % s.num_kv_heads == 0 && key_cache.size(3) == s.head_dim, "head shapes disagree");
+  TORCH_CHECK(key.has_value() == value.has_value() && key.has_value() == slot_mapping.has_value(),
+              "key, value and slot_mapping come together");
+  if (slot_mapping.has_value()) write_caches(key_cache, value_cache, *key, *value, *slot_mapping);
   auto qc = q.contiguous();
   auto tables = block_tables.to(at::kLong).contiguous();
   auto starts = query_start_loc.to(at::kLong).contiguous();
@@ -260,9 +319,11 @@ bool paged_attention_supported() {
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pagoda_cpu, m) {
+  // With key, value and slot_mapping, this step's K/V rows are first written into the caches (hence a!, b!).
   m.def(
-      "paged_attention(Tensor q, Tensor key_cache, Tensor value_cache, Tensor block_tables, Tensor query_start_loc, "
-      "Tensor seq_lens, float scale, int sliding_window) -> Tensor");
+      "paged_attention(Tensor q, Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor block_tables, "
+      "Tensor query_start_loc, Tensor seq_lens, float scale, int sliding_window, Tensor? key=None, "
+      "Tensor? value=None, Tensor? slot_mapping=None) -> Tensor");
   m.def("paged_attention_supported() -> bool", &paged_attention_supported);
 }
 

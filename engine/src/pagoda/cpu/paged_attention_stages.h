@@ -207,25 +207,50 @@ inline void scores_bf16(Rows& rows, const uint32_t* qb, const uint32_t* kt, int6
   for (; r < rows.count; ++r) score_rows<1>(rows, qb, kt, r, c0, scale);
 }
 
-// acc_r += sum_t bf16(p_r[t]) * v_t over token pairs; acc in paired_dim order.
-inline void values_bf16(Rows& rows, const uint32_t* vp, int64_t n) {
-  const int64_t D = rows.dim, groups = D / 16, token_pairs = (n + 1) / 2;
-  for (int64_t r = 0; r < rows.count; ++r) {
-    const float* pr = rows.scores + r * kKvChunk;
-    alignas(64) uint16_t pb[kKvChunk];
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(pr)));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb + 16), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(pr + 16)));
-    const uint32_t* pairs = reinterpret_cast<const uint32_t*>(pb);
-    float* ar = rows.acc + r * D;
-    __m512 acc[kMaxHeadDim / 16];
-    for (int64_t g = 0; g < groups; ++g) acc[g] = _mm512_loadu_ps(ar + g * 16);
-    for (int64_t j = 0; j < token_pairs; ++j) {
-      if (pairs[j] == 0) continue;  // both probabilities 0 (masked)
-      const __m512bh pv = (__m512bh)_mm512_set1_epi32(static_cast<int>(pairs[j]));
-      for (int64_t g = 0; g < groups; ++g) acc[g] = _mm512_dpbf16_ps(acc[g], pv, (__m512bh)_mm512_loadu_si512(vp + j * D + g * 16));
+// acc[r0 + i][16 (g0 + g) ...] += sum_j pairs_r[j] . vp[j] for RB rows and G groups of 16 dims, the sums in
+// registers: every V load feeds RB rows.
+template <int RB, int G>
+inline void value_block(Rows& rows, const uint32_t* vp, int64_t token_pairs, int64_t r0, int64_t g0) {
+  const int64_t D = rows.dim;
+  __m512 acc[RB][G];
+  for (int i = 0; i < RB; ++i)
+    for (int g = 0; g < G; ++g) acc[i][g] = _mm512_loadu_ps(rows.acc + (r0 + i) * D + (g0 + g) * 16);
+  for (int64_t j = 0; j < token_pairs; ++j) {
+    __m512bh pv[RB];
+    for (int i = 0; i < RB; ++i) {
+      const uint32_t* pairs = reinterpret_cast<const uint32_t*>(rows.scores + (r0 + i) * kKvChunk);
+      pv[i] = (__m512bh)_mm512_set1_epi32(static_cast<int>(pairs[j]));
     }
-    for (int64_t g = 0; g < groups; ++g) _mm512_storeu_ps(ar + g * 16, acc[g]);
+    for (int g = 0; g < G; ++g) {
+      const __m512bh v = (__m512bh)_mm512_loadu_si512(vp + j * D + (g0 + g) * 16);
+      for (int i = 0; i < RB; ++i) acc[i][g] = _mm512_dpbf16_ps(acc[i][g], pv[i], v);
+    }
   }
+  for (int i = 0; i < RB; ++i)
+    for (int g = 0; g < G; ++g) _mm512_storeu_ps(rows.acc + (r0 + i) * D + (g0 + g) * 16, acc[i][g]);
+}
+
+template <int RB>
+inline void value_rows(Rows& rows, const uint32_t* vp, int64_t token_pairs, int64_t r0) {
+  const int64_t groups = rows.dim / 16;  // even: the tile path needs dim % 32 == 0
+  int64_t g = 0;
+  for (; g + 4 <= groups; g += 4) value_block<RB, 4>(rows, vp, token_pairs, r0, g);
+  if (g < groups) value_block<RB, 2>(rows, vp, token_pairs, r0, g);
+}
+
+// acc_r += sum_t bf16(p_r[t]) * v_t over token pairs; acc in paired_dim order. Each row's probabilities
+// are first rounded to bf16 in place (its scores row then starts with kKvChunk / 2 bf16 pairs).
+inline void values_bf16(Rows& rows, const uint32_t* vp, int64_t n) {
+  const int64_t token_pairs = (n + 1) / 2;
+  for (int64_t r = 0; r < rows.count; ++r) {
+    float* pr = rows.scores + r * kKvChunk;
+    const __m256i lo = (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(pr));
+    const __m256i hi = (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(pr + 16));
+    _mm512_storeu_si512(pr, _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1));
+  }
+  int64_t r = 0;
+  for (; r + 4 <= rows.count; r += 4) value_rows<4>(rows, vp, token_pairs, r);
+  for (; r < rows.count; ++r) value_rows<1>(rows, vp, token_pairs, r);
 }
 #endif  // PAGODA_ATTN_BF16_DOT
 

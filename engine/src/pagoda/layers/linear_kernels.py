@@ -54,6 +54,9 @@ class PackedLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., in] -> [..., out]
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
 
+    def float_output(self, x: torch.Tensor) -> torch.Tensor:
+        return self(x).float()
+
 
 NATIVE_BF16 = 1  # bits of torch.ops.pagoda_cpu.packed_linear_support()
 NATIVE_INT8 = 2
@@ -83,6 +86,9 @@ class NativeBf16Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., in] -> [..., out]
         return torch.ops.pagoda_cpu.bf16_linear(x, self.packed, self.out_features, self.bias)
+
+    def float_output(self, x: torch.Tensor) -> torch.Tensor:  # self(x).float() in one pass
+        return torch.ops.pagoda_cpu.bf16_linear(x, self.packed, self.out_features, self.bias, True)
 
 
 # Float32 activations: up to this many rows (measured crossover on a 2-core Zen 4: ~48-64) the native int8 kernel
@@ -118,15 +124,22 @@ class Int8WeightOnlyLinear:
         return Int8WeightOnlyLinear(qweight, scales, bias, native, weight.shape[1], bf16_gemm)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., in] -> [..., out]
+        return self._forward(x, float_out=False)
+
+    def float_output(self, x: torch.Tensor) -> torch.Tensor:  # self(x).float(), in one pass on the native kernel
+        return self._forward(x, float_out=True)
+
+    def _forward(self, x: torch.Tensor, float_out: bool) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
         out_features = self.scales.shape[0]
         if self.native and (rows <= INT8_NATIVE_MAX_ROWS or (self.bf16_gemm and x.dtype == torch.bfloat16)):
             # bf16 activations at any batch: from 16 rows on, the kernel widens each weight chunk to bf16
             # in cache and runs the bf16 dot products (exact for |q| <= 127)
-            return torch.ops.pagoda_cpu.int8_linear(x, self.qweight, self.scales, out_features, self.bias)
+            return torch.ops.pagoda_cpu.int8_linear(x, self.qweight, self.scales, out_features, self.bias, float_out)
         # dequantized GEMM (float32/fp16 activations): x @ q^T in the activation dtype, then the per-column scale
         y = torch.nn.functional.linear(x, self.dense_qweight().to(x.dtype)) * self.scales.to(x.dtype)
-        return y if self.bias is None else y + self.bias
+        y = y if self.bias is None else y + self.bias
+        return y.float() if float_out else y
 
     def dense_qweight(self) -> torch.Tensor:
         """The int8 weight as [out, in] (a copy when it is stored in the native layout)."""

@@ -179,7 +179,7 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [n, hidden] -> logits [n, vocab] float32 (the GEMM runs in the model dtype, as in HF)."""
-        return self.lm_head(hidden).float()
+        return self.lm_head.forward_float32(hidden)
 
     @torch.inference_mode()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

@@ -211,14 +211,9 @@ class TorchAttentionBackend:
         spec: AttentionLayerSpec,
     ) -> torch.Tensor:
         num_kv_heads, head_dim = spec.num_kv_heads, spec.head_dim
-        key_cache = kv_cache[0].view(-1, num_kv_heads, head_dim)
-        value_cache = kv_cache[1].view(-1, num_kv_heads, head_dim)
-        key_cache.index_copy_(0, meta.slot_mapping, k)
-        value_cache.index_copy_(0, meta.slot_mapping, v)
-
         if native_attention_applies(q, spec):
             query_start_loc, seq_lens = self._prepare_native(meta)
-            return torch.ops.pagoda_cpu.paged_attention(
+            return torch.ops.pagoda_cpu.paged_attention(  # writes this step's K/V into the caches first
                 q,
                 kv_cache[0],
                 kv_cache[1],
@@ -227,7 +222,14 @@ class TorchAttentionBackend:
                 seq_lens,
                 spec.scale,
                 spec.sliding_window or 0,
+                k,
+                v,
+                meta.slot_mapping,
             )
+        key_cache = kv_cache[0].view(-1, num_kv_heads, head_dim)
+        value_cache = kv_cache[1].view(-1, num_kv_heads, head_dim)
+        key_cache.index_copy_(0, meta.slot_mapping, k)
+        value_cache.index_copy_(0, meta.slot_mapping, v)
         state = meta.backend_state
         if "prefill_rows" not in state:
             self._prepare_sdpa(meta)

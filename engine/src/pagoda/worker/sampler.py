@@ -18,6 +18,7 @@ from typing import Optional
 
 import torch
 
+from pagoda.cpu import argmax_rows
 from pagoda.outputs import Logprob
 from pagoda.sampling_params import SamplingParams
 from pagoda.worker import logits_processing as processing
@@ -115,11 +116,11 @@ def _choose(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """One token id per row: argmax for greedy rows, a seeded draw for the others."""
     greedy = [i for i, r in enumerate(rows) if r.params.greedy]
     if len(greedy) == len(rows):
-        return logits.argmax(dim=-1)
+        return argmax_rows(logits)
     token_ids = torch.empty(len(rows), dtype=torch.long, device=logits.device)
     if greedy:
         index = _long(greedy, logits.device)
-        token_ids[index] = logits[index].argmax(dim=-1)
+        token_ids[index] = argmax_rows(logits[index])
     rand = [i for i, r in enumerate(rows) if not r.params.greedy]
     params = [rows[i].params for i in rand]
     index = _long(rand, logits.device)
