@@ -118,8 +118,7 @@ class AsyncLLMEngine:
                     self._on_step(self.engine, 0)
                 if self._stopping.is_set() or not self.engine.has_unfinished_requests():
                     continue
-                for output in self.engine.step():
-                    self._deliver(output.request_id, output, last=output.finished)
+                self._deliver_step(self.engine.step())
                 if self._on_step is not None:
                     self._on_step(self.engine, self.engine.last_step_num_tokens)
         except BaseException as exc:  # an engine bug: fail every request loudly, never hang them
@@ -149,6 +148,21 @@ class AsyncLLMEngine:
         self._streams[command.request_id] = (command.loop, command.outputs)
         command.loop.call_soon_threadsafe(_set_result, command.admitted)
 
+    def _deliver_step(self, outputs: list[RequestOutput]) -> None:
+        """Hand a step's outputs over with one wake-up per event loop, not one per request: at 32
+        running requests the loop was woken 32 times per step, taking CPU from the next step."""
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
+        for output in outputs:
+            if output.finished:
+                stream = self._streams.pop(output.request_id, None)
+            else:
+                stream = self._streams.get(output.request_id)
+            if stream is not None:
+                loop, request_queue = stream
+                batches.setdefault(loop, []).append((request_queue, output))
+        for loop, items in batches.items():
+            loop.call_soon_threadsafe(_put_all, items)
+
     def _deliver(self, request_id: str, item, last: bool) -> None:
         stream = self._streams.pop(request_id, None) if last else self._streams.get(request_id)
         if stream is not None:
@@ -168,6 +182,11 @@ def _get_nowait(inbox: queue.SimpleQueue):
         return inbox.get_nowait()
     except queue.Empty:
         return None
+
+
+def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for outputs, item in items:
+        outputs.put_nowait(item)
 
 
 def _set_result(future: asyncio.Future) -> None:
