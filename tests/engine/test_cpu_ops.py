@@ -1,15 +1,12 @@
-"""The native fused CPU ops (pagoda/cpu/fused_ops.cpp) round exactly like the PyTorch expressions they replace;
-greedy argmax and the huge-page allocation of packed weights and KV caches."""
+"""The native fused CPU ops (pagoda/cpu/fused_ops.cpp) round exactly like the PyTorch expressions they replace."""
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from pagoda.cpu import argmax_rows, cpu_ops, huge_page_zeros, use_fused_ops
+from pagoda.cpu import argmax_rows, cpu_ops, use_fused_ops
 
 pytestmark = pytest.mark.skipif(not cpu_ops(), reason="native CPU kernels could not be built (no compiler)")
 DTYPES = [torch.bfloat16, torch.float16]
@@ -96,46 +93,3 @@ def test_argmax_rows_handles_nan_and_infinities_like_torch() -> None:
     logits[0, 80] = float("nan")
     assert torch.equal(argmax_rows(logits), logits.argmax(dim=-1))
     assert argmax_rows(logits).tolist() == [70, 99, 5, 0]
-
-
-def _vm_flags(address: int) -> list[str]:
-    """VmFlags of this process's mapping that contains ``address`` (from /proc/self/smaps)."""
-    inside = False
-    for line in Path("/proc/self/smaps").read_text().splitlines():
-        head = line.split()[0]
-        if "-" in head and ":" not in head:
-            start, end = (int(part, 16) for part in head.split("-"))
-            inside = start <= address < end
-        elif inside and line.startswith("VmFlags:"):
-            return line.split()[1:]
-    raise AssertionError(f"no mapping holds {address:#x}")
-
-
-def _thp_available() -> bool:
-    path = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-    return path.exists() and "[never]" not in path.read_text()
-
-
-@pytest.mark.parametrize("shape", [(7,), (3, 1024, 1024), (2, 1000, 1001)])  # below, at and past the 4 MB threshold
-def test_huge_page_zeros_are_zeros_of_the_shape_and_writable(shape: tuple[int, ...]) -> None:
-    cache = huge_page_zeros(shape, torch.bfloat16)
-    assert cache.shape == shape and cache.dtype == torch.bfloat16 and cache.is_contiguous()
-    assert not bool(cache.any())
-    cache.fill_(3)
-    assert bool((cache == 3).all())
-    del cache  # the mapping is released with the tensor
-
-
-@pytest.mark.skipif(not _thp_available(), reason="transparent huge pages are off on this kernel")
-def test_large_tensors_are_madvised_for_huge_pages_and_aligned() -> None:
-    cache = huge_page_zeros((4, 1024, 1024), torch.float32)  # 16 MB
-    assert cache.data_ptr() % (2 << 20) == 0
-    assert "hg" in _vm_flags(cache.data_ptr())  # MADV_HUGEPAGE on its mapping
-    packed = torch.ops.pagoda_cpu.pack_linear_weight(torch.randn(2048, 1024, dtype=torch.bfloat16))  # 4 MB
-    assert "hg" in _vm_flags(packed.data_ptr())
-
-
-def test_packing_a_large_weight_round_trips() -> None:
-    weight = torch.randn(2100, 1030, dtype=torch.bfloat16)  # over 4 MB packed: the huge-page allocation
-    packed = torch.ops.pagoda_cpu.pack_linear_weight(weight)
-    assert torch.equal(torch.ops.pagoda_cpu.unpack_linear_weight(packed, 2100, 1030), weight)

@@ -20,7 +20,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = ("packed_linear.cpp", "fused_ops.cpp", "paged_attention.cpp", "huge_pages.cpp")
+_SOURCES = ("packed_linear.cpp", "fused_ops.cpp", "paged_attention.cpp")
 
 
 def _build_dir() -> Path:
@@ -69,17 +69,6 @@ def use_fused_ops(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and x.dtype in _FUSED_DTYPES and cpu_ops()
 
 
-def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """``torch.zeros(shape, dtype=dtype)`` on the CPU, backed by 2 MB pages when large and the kernel allows it.
-
-    For tensors every decode step streams (the KV cache; packed weights get the same inside their packing op):
-    with 4 KB pages each 4 KB costs a TLB miss. Falls back to ``torch.zeros`` without the native ops.
-    """
-    if cpu_ops():
-        return torch.ops.pagoda_cpu.huge_page_zeros(list(shape), dtype)
-    return torch.zeros(shape, dtype=dtype)
-
-
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """``logits.argmax(dim=-1)`` for [rows, vocab] logits: the same indices (first on ties, NaN wins).
 
@@ -125,18 +114,3 @@ def keep_freed_memory() -> bool:
     )
     logger.debug("glibc malloc tuning %s", "applied" if applied else "refused")
     return applied
-
-
-def release_freed_memory() -> bool:
-    """Hand the heap's free memory back to the kernel now (glibc ``malloc_trim``).
-
-    With the raised trim threshold (:func:`keep_freed_memory`) up to 512 MB of freed memory stays in the
-    process. After loading that is mostly the checkpoint's plain weights, dropped once packed: measured
-    +0.5 GB resident at the Qwen3-0.6B shape. A no-op (False) without glibc.
-    """
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        malloc_trim = libc.malloc_trim
-    except (OSError, AttributeError):
-        return False
-    return bool(malloc_trim(0))

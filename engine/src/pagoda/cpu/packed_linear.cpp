@@ -29,8 +29,6 @@
 
 #include <immintrin.h>
 
-#include "huge_pages.h"
-
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 #define PAGODA_BF16_DOT 1
 #endif
@@ -56,8 +54,7 @@ at::Tensor pack_weight(const at::Tensor& weight) {
   const int64_t tiles = (N + kTile - 1) / kTile, pairs = (K + 1) / 2;
   auto padded = at::zeros({tiles * kTile, pairs * 2}, weight.options());
   padded.slice(0, 0, N).slice(1, 0, K).copy_(weight);
-  auto packed = pagoda_memory::huge_page_empty({tiles, pairs, kTile, 2}, weight.scalar_type());  // streamed every step
-  return packed.copy_(padded.view({tiles, kTile, pairs, 2}).permute({0, 2, 1, 3}));
+  return padded.view({tiles, kTile, pairs, 2}).permute({0, 2, 1, 3}).contiguous();
 }
 
 // The [N, K] weight back from its packed form (a copy).

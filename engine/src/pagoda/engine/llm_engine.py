@@ -14,7 +14,7 @@ import torch
 from pagoda.config import EngineArgs, SchedulerConfig
 from pagoda.core.kv_cache_manager import KVCacheManager
 from pagoda.core.scheduler import Scheduler
-from pagoda.cpu import keep_freed_memory, release_freed_memory
+from pagoda.cpu import keep_freed_memory
 from pagoda.engine.output_processor import OutputProcessor
 from pagoda.layers.linear_kernels import validate_quantization
 from pagoda.model_config import ModelConfig, resolve_dtype
@@ -80,8 +80,6 @@ class LLMEngine:
             )
             check_fits(num_blocks, shape, self.max_model_len, "raise --gpu-memory-utilization")
         self.runner.allocate_kv_cache(shape, num_blocks)
-        if self.device.type == "cpu":
-            release_freed_memory()  # the checkpoint's plain weights, dropped after packing
         if self.device.type == "cuda" and backend == "triton" and not args.enforce_eager:
             self.runner.capture_cuda_graphs(args.max_num_seqs, self.max_model_len)
         logger.info(

@@ -10,7 +10,6 @@ from typing import Optional
 import torch
 
 from pagoda.core.scheduler_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
-from pagoda.cpu import huge_page_zeros
 from pagoda.layers.linear_kernels import prepare_linear_layers
 from pagoda.loader import load_model
 from pagoda.model_config import ModelConfig
@@ -76,11 +75,6 @@ class ModelRunner:
     def allocate_kv_cache(self, shape: KVCacheShape, num_blocks: int) -> None:
         """Create every layer's cache once; zeroed so padded reads never see NaN garbage."""
         self.kv_shape = shape
-        if self.device.type == "cpu":  # every decode step reads the requests' blocks: 2 MB pages
-            self.kv_caches = [
-                huge_page_zeros(shape.layer_shape(num_blocks), self.dtype) for _ in range(shape.num_layers)
-            ]
-            return
         self.kv_caches = [
             torch.zeros(shape.layer_shape(num_blocks), dtype=self.dtype, device=self.device)
             for _ in range(shape.num_layers)
