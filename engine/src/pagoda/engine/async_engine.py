@@ -153,18 +153,19 @@ class AsyncLLMEngine:
         running requests the loop was woken 32 times per step, taking CPU from the next step."""
         batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
         for output in outputs:
-            if output.finished:
-                stream = self._streams.pop(output.request_id, None)
-            else:
-                stream = self._streams.get(output.request_id)
+            stream = self._take_stream(output.request_id, last=output.finished)
             if stream is not None:
                 loop, request_queue = stream
                 batches.setdefault(loop, []).append((request_queue, output))
         for loop, items in batches.items():
             loop.call_soon_threadsafe(_put_all, items)
 
+    def _take_stream(self, request_id: str, last: bool) -> Optional[tuple[asyncio.AbstractEventLoop, asyncio.Queue]]:
+        """The request's (loop, queue); forgotten when this is its last item."""
+        return self._streams.pop(request_id, None) if last else self._streams.get(request_id)
+
     def _deliver(self, request_id: str, item, last: bool) -> None:
-        stream = self._streams.pop(request_id, None) if last else self._streams.get(request_id)
+        stream = self._take_stream(request_id, last)
         if stream is not None:
             loop, outputs = stream
             loop.call_soon_threadsafe(outputs.put_nowait, item)
