@@ -93,7 +93,7 @@ class NativeBf16Linear:
 
 # Float32 activations: up to this many rows (measured crossover on a 2-core Zen 4: ~48-64) the native int8 kernel
 # is faster; above it (prefill) the GEMM is compute bound and a dequantized weight feeds MKL. bf16 activations
-# always take the native kernel, which widens int8 tiles to bf16 in cache from 16 rows on.
+# always take the native kernel, which widens int8 tiles to bf16 in cache from 192 rows on.
 INT8_NATIVE_MAX_ROWS = 48
 
 
@@ -133,7 +133,7 @@ class Int8WeightOnlyLinear:
         rows = x.numel() // x.shape[-1]
         out_features = self.scales.shape[0]
         if self.native and (rows <= INT8_NATIVE_MAX_ROWS or (self.bf16_gemm and x.dtype == torch.bfloat16)):
-            # bf16 activations at any batch: from 16 rows on, the kernel widens each weight chunk to bf16
+            # bf16 activations at any batch: from 192 rows on, the kernel widens each weight chunk to bf16
             # in cache and runs the bf16 dot products (exact for |q| <= 127)
             return torch.ops.pagoda_cpu.int8_linear(x, self.qweight, self.scales, out_features, self.bias, float_out)
         # dequantized GEMM (float32/fp16 activations): x @ q^T in the activation dtype, then the per-column scale
