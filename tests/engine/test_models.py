@@ -206,6 +206,25 @@ def test_mixed_decode_and_prefill_batch_equals_each_request_alone(tiny: TinyChec
     torch.testing.assert_close(mixed[1], PagedRunner(model).step({0: b})[0], atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_output_rows_keep_the_full_passs_rows_and_cache(tiny: TinyCheckpoints, dtype: torch.dtype) -> None:
+    """With output_rows the last layer's output projection and MLP run on those tokens only (the sampled
+    ones). Their hidden states are the full pass's, and every token's K/V still reaches the cache."""
+    model = pagoda_model(tiny.get("qwen3"), dtype)
+    a, b = random_prompt(9, seed=8), random_prompt(6, seed=9)
+    runs = []
+    for output_rows in (None, torch.tensor([8, 14])):  # each request's last token in the flat batch
+        runner = PagedRunner(model)
+        tables = [runner.free_blocks[-3:], runner.free_blocks[-5:-3]]
+        meta = build_metadata([9, 6], [9, 6], tables, runner.block_size)
+        ids, positions = torch.tensor(a + b), torch.tensor([*range(9), *range(6)])
+        runs.append((model(ids, positions, runner.caches, meta, output_rows), runner.caches))
+    (full, full_caches), (kept, kept_caches) = runs
+    assert kept.shape == (2, full.shape[1])
+    torch.testing.assert_close(kept, full[[8, 14]], atol=1e-5 if dtype == torch.float32 else 1e-2, rtol=0)
+    assert all(torch.equal(x, y) for x, y in zip(full_caches, kept_caches))
+
+
 # --- RoPE scaling and sliding windows -------------------------------------------------------------
 
 ROPE_SCALINGS = {

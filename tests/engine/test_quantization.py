@@ -88,6 +88,15 @@ def test_native_bf16_kernel_matches_a_float32_product(shape: tuple[int, int], ro
     torch.testing.assert_close(got.float(), want, atol=1e-5 * float(want.abs().max()), rtol=2**-8)
 
 
+@needs_native_bf16
+@needs_native_int8
+def test_native_kernels_take_an_empty_batch() -> None:
+    weight = torch.randn(70, 40, dtype=torch.bfloat16)
+    for kernel in (NativeBf16Linear.from_weight(weight, None), Int8WeightOnlyLinear.from_weight(weight, None)):
+        assert kernel(torch.empty(0, 40, dtype=torch.bfloat16)).shape == (0, 70)
+        assert kernel.float_output(torch.empty(2, 0, 40, dtype=torch.bfloat16)).shape == (2, 0, 70)
+
+
 @needs_native_int8
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", ODD_SHAPES)

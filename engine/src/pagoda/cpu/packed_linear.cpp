@@ -98,8 +98,9 @@ inline void store_sums(const __m512 (&sum)[MR][kNR], float* acc) {
 // memory ({1to16}) instead of by a separate vpbroadcastd per row, which compilers keep: one uop fewer per row and
 // k pair. With all 32 layer linears at 16-32 rows this ran 10-15% faster.
 inline __m512 dot_broadcast(__m512 sum, __m512bh w, const uint32_t* x) {
-  // x is passed as an address, not an "m" operand: GCC then kept the sum arrays in memory. The activations are
-  // written before the op starts and only read during it, so the asm need not order against stores.
+  // x is passed as an address, not an "m" operand: GCC then kept the sum arrays in memory. The asm thus hides
+  // its read from the compiler, which is safe because every activation buffer is complete before the
+  // at::parallel_for that runs the passes (an opaque call no store can move past) and is only read after.
   asm("vdpbf16ps (%2)%{1to16%}, %1, %0" : "+v"(sum) : "v"(w), "r"(x));
   return sum;
 }
@@ -229,6 +230,7 @@ inline void store_tile(const float* acc, int64_t M, int64_t n0, const float* col
 template <template <int> class Pass, typename scalar_t, typename out_t>
 void run_tiles(const uint32_t* x, int64_t M, int64_t pairs, const char* packed, int64_t tile_bytes, int64_t tiles,
                const float* col_scale, const float* row_scale, const float* bias, out_t* y, int64_t N) {
+  if (M == 0) return;
   const int64_t chunk = M <= kMR ? pairs : kChunkPairs;
   // Rows split evenly over the passes (32 rows: 6+6+5+5+5+5, not 6+6+6+6+6+2): a 2-row pass runs 8 dot products
   // per 4 weight loads and is bound by the loads.

@@ -39,6 +39,9 @@ class StepInputs:
     sample_requests: list[Request]  # requests that sample after this step, in logits order
     sample_indices: list[int]  # flat token index of each sampling request's last token
     prompt_logprob_spans: list[tuple[Request, int, int]]  # (request, first flat index, count)
+    # The rows the forward returns when it need not return all (the sampled ones, no prompt logprobs): the last
+    # layer then skips the rest. None: every token's row.
+    output_rows: Optional[torch.Tensor] = None  # [num_sampling_reqs] int64
 
 
 class ModelRunner:
@@ -90,7 +93,8 @@ class ModelRunner:
         self._prompt_logprobs(hidden, inputs, out)
         if not inputs.sample_requests:
             return out
-        logits = self.model.compute_logits(hidden[inputs.sample_indices])  # [num_sampling_reqs, vocab]
+        sampled = hidden if inputs.output_rows is not None else hidden[inputs.sample_indices]
+        logits = self.model.compute_logits(sampled)  # [num_sampling_reqs, vocab]
         rows: list[SamplingRow] = []
         row_logits: list[int] = []
         for i, request in enumerate(inputs.sample_requests):
@@ -138,6 +142,11 @@ class ModelRunner:
         if self.device.type != "cpu":
             meta.slot_mapping = meta.slot_mapping.to(self.device, non_blocking=True)
             meta.block_tables = meta.block_tables.to(self.device, non_blocking=True)
+        output_rows = None
+        # A prompt chunk: most rows only feed the cache. (A step that samples nothing keeps every row: no kernel
+        # then sees an empty batch.)
+        if not spans and 0 < len(sample_indices) < len(token_ids):
+            output_rows = torch.tensor(sample_indices, dtype=torch.int64, device=self.device)
         return StepInputs(
             input_ids=torch.tensor(token_ids, dtype=torch.int64, device=self.device),
             positions=positions.to(self.device),
@@ -145,6 +154,7 @@ class ModelRunner:
             sample_requests=sample_requests,
             sample_indices=sample_indices,
             prompt_logprob_spans=spans,
+            output_rows=output_rows,
         )
 
     def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
@@ -155,11 +165,12 @@ class ModelRunner:
         self.cuda_graphs.capture()
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
-        """Hidden states [num_tokens, hidden]: a graph replay for a pure-decode step, else an eager forward."""
-        if self.cuda_graphs is not None and self.cuda_graphs.can_run(inputs.meta):
+        """Hidden states [num_tokens, hidden] (or of ``output_rows``): a graph replay for a pure-decode step, else
+        an eager forward. Pure decode samples every row, so graphs never see ``output_rows``."""
+        if self.cuda_graphs is not None and inputs.output_rows is None and self.cuda_graphs.can_run(inputs.meta):
             return self.cuda_graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
         self.attn_backend.prepare(inputs.meta)
-        return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, inputs.output_rows)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, inputs: StepInputs, out: ModelRunnerOutput) -> None:
         for request, flat_start, count in inputs.prompt_logprob_spans:
