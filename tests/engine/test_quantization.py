@@ -58,8 +58,8 @@ needs_native_bf16 = pytest.mark.skipif(
 # odd shapes: neither a multiple of the 64-row tile nor of the k pair; rows straddle the 6-row pass and
 # the multi-pass k chunking that starts above 6 rows
 ODD_SHAPES = [(37, 83), (64, 64), (130, 600)]
-# x is [2, rows, in]: 2 to 200 kernel rows; from 192 bf16 rows the int8 kernel widens tiles to bf16
-ROW_COUNTS = [1, 2, 3, 5, 6, 7, 13, 16, 40, 100]
+# from 192 bf16 rows the int8 kernel widens tiles to bf16 (200: both sides of that switch)
+ROW_COUNTS = [1, 2, 3, 5, 6, 7, 13, 16, 40, 200]
 
 
 def test_packed_layout_round_trips_every_shape() -> None:
