@@ -226,16 +226,25 @@ inline void store_tile(const float* acc, int64_t M, int64_t n0, const float* col
   }
 }
 
+// Calls f(pass, first_row, rows) for the ceil(M / kMR) row passes over M rows, split evenly (32 rows:
+// 6+6+5+5+5+5, not 6+6+6+6+6+2): a 2-row pass runs 8 dot products per 4 weight loads and is bound by the loads.
+template <typename F>
+inline void for_each_pass(int64_t M, F&& f) {
+  const int64_t passes = (M + kMR - 1) / kMR, base_rows = M / passes, extra_rows = M % passes;
+  for (int64_t i = 0, m0 = 0; i < passes; ++i) {
+    const int64_t rows = base_rows + (i < extra_rows ? 1 : 0);
+    f(i, m0, rows);
+    m0 += rows;
+  }
+}
+
 // out[m, n] = acc * col_scale[n] * row_scale[m] + bias[n] for every tile; x: [M][pairs] 32-bit pairs.
 template <template <int> class Pass, typename scalar_t, typename out_t>
 void run_tiles(const uint32_t* x, int64_t M, int64_t pairs, const char* packed, int64_t tile_bytes, int64_t tiles,
                const float* col_scale, const float* row_scale, const float* bias, out_t* y, int64_t N) {
   if (M == 0) return;
   const int64_t chunk = M <= kMR ? pairs : kChunkPairs;
-  // Rows split evenly over the passes (32 rows: 6+6+5+5+5+5, not 6+6+6+6+6+2): a 2-row pass runs 8 dot products
-  // per 4 weight loads and is bound by the loads.
   const int64_t passes = (M + kMR - 1) / kMR, pair_bytes = tile_bytes / pairs;
-  const int64_t base_rows = M / passes, extra_rows = M % passes;
   at::parallel_for(0, tiles, 1, [&](int64_t t_begin, int64_t t_end) {
     std::vector<float> acc(M * kTile);
     const char* range_end = packed + t_end * tile_bytes;
@@ -246,14 +255,12 @@ void run_tiles(const uint32_t* x, int64_t M, int64_t pairs, const char* packed, 
         const char* next = tile + p1 * pair_bytes;  // the next chunk follows in memory, also across tiles
         const int64_t next_lines = passes > 1 ? (std::min(range_end - next, chunk * pair_bytes) + 63) / 64 : 0;
         const int64_t per_pass = (next_lines + passes - 1) / passes;
-        for (int64_t m0 = 0, i = 0; i < passes; ++i) {
-          const int64_t rows = base_rows + (i < extra_rows ? 1 : 0);
+        for_each_pass(M, [&](int64_t i, int64_t m0, int64_t rows) {
           const Prefetch pf{next + i * per_pass * 64, std::max<int64_t>(0, std::min(per_pass, next_lines - i * per_pass)),
                             p1 - p0};
           dispatch_rows<Pass, kMR>(rows, x + m0 * pairs, pairs, static_cast<const void*>(tile), p0, p1,
-                                     acc.data() + m0 * kTile, p0 == 0, pf);
-          m0 += rows;
-        }
+                                   acc.data() + m0 * kTile, p0 == 0, pf);
+        });
       }
       store_tile<scalar_t>(acc.data(), M, t * kTile, col_scale, row_scale, bias, y, N);
     }
@@ -354,10 +361,10 @@ void int8_widened_tiles(const uint32_t* x, int64_t M, int64_t pairs, const int8_
       for (int64_t p0 = 0; p0 < pairs; p0 += kChunkPairs) {
         const int64_t n_pairs = std::min(kChunkPairs, pairs - p0);
         widen_int8(tile + p0 * kTile * 2, n_pairs * kTile * 2, wide.data());
-        for (int64_t m0 = 0; m0 < M; m0 += kMR)
-          dispatch_rows<Bf16Pass, kMR>(std::min<int64_t>(kMR, M - m0), x + m0 * pairs + p0, pairs,
-                                       static_cast<const void*>(wide.data()), int64_t{0}, n_pairs,
-                                       acc.data() + m0 * kTile, p0 == 0, Prefetch{});
+        for_each_pass(M, [&](int64_t, int64_t m0, int64_t rows) {
+          dispatch_rows<Bf16Pass, kMR>(rows, x + m0 * pairs + p0, pairs, static_cast<const void*>(wide.data()),
+                                       int64_t{0}, n_pairs, acc.data() + m0 * kTile, p0 == 0, Prefetch{});
+        });
       }
       store_tile<at::BFloat16>(acc.data(), M, t * kTile, col_scale, static_cast<const float*>(nullptr), bias, y, N);
     }
