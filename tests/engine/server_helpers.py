@@ -44,6 +44,27 @@ class Server:
             parsed = payload.decode()
         return response.status, dict(response.getheaders()), parsed
 
+    def burst(self, path: str, bodies: list[Any]) -> list[tuple[int, dict, Any]]:
+        """POST every body on its own connection, all sent back to back once every connection is
+        open, so that the server reads them in (nearly) one event-loop iteration."""
+        sockets = [socket.create_connection(("127.0.0.1", self.port), timeout=120) for _ in bodies]
+        for sock, body in zip(sockets, bodies):
+            data = json.dumps(body).encode()
+            head = f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            sock.sendall(head.encode() + f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+        results = []
+        for sock in sockets:
+            response = http.client.HTTPResponse(sock)
+            response.begin()
+            payload = response.read()
+            sock.close()
+            try:
+                parsed = json.loads(payload) if payload else None
+            except json.JSONDecodeError:
+                parsed = payload.decode()
+            results.append((response.status, dict(response.getheaders()), parsed))
+        return results
+
     def metric(self, name: str) -> float:
         """Sum of all samples of one metric family line (``name{...} value``) in /metrics."""
         _, _, text = self.request("GET", "/metrics")

@@ -2,6 +2,8 @@
 and failures that reach every waiting caller instead of hanging them."""
 
 import asyncio
+import gc
+import time
 
 import pytest
 
@@ -115,3 +117,52 @@ def test_shutdown_fails_unfinished_requests_instead_of_hanging_them():
                 pass
 
     asyncio.run(main())
+
+
+def test_a_submitted_request_counts_as_waiting_at_once_and_dropping_its_stream_aborts_it():
+    async_engine = AsyncLLMEngine(LLM(max_model_len=256, max_num_seqs=1).engine)
+
+    async def wait_until(condition) -> None:
+        for _ in range(500):
+            if condition():
+                return
+            await asyncio.sleep(0.01)
+
+    async def main():
+        busy = aiter(async_engine.submit("busy", [1], delta(250, ignore_eos=True)))
+        await anext(busy)  # running: the next ones must wait behind it
+        queued = [async_engine.submit(f"q{i}", [1], delta(4)) for i in range(3)]
+        # Counted before any await: an admission check in the same event-loop iteration sees them.
+        # (It may briefly count one twice while the engine thread moves it into the scheduler.)
+        assert async_engine.num_waiting >= 3
+        await asyncio.sleep(0.05)
+        assert async_engine.num_waiting == 3
+        del queued  # e.g. a response whose body never started
+        gc.collect()
+        await wait_until(lambda: async_engine.num_waiting == 0)
+        assert async_engine.num_waiting == 0
+        await busy.aclose()
+        await wait_until(lambda: not async_engine.engine.has_unfinished_requests())
+
+    try:
+        asyncio.run(main())
+        assert not async_engine.engine.has_unfinished_requests()
+        assert async_engine.engine.get_stats().kv_cache_usage == 0.0
+    finally:
+        async_engine.shutdown(timeout=10)
+
+
+def test_a_request_whose_event_loop_closed_is_aborted_and_the_engine_carries_on(engine):
+    async def leave_running():
+        stream = engine.submit("orphan", [1], delta(200, ignore_eos=True))
+        await asyncio.sleep(0.05)  # added and running, its outputs queued on this loop
+        return stream  # never read, kept alive past the loop: only the closed loop can stop it
+
+    orphan = asyncio.run(leave_running())
+    for _ in range(500):
+        if not engine.engine.has_unfinished_requests():
+            break
+        time.sleep(0.01)
+    assert not engine.engine.has_unfinished_requests() and engine.is_alive
+    assert asyncio.run(collect(engine, "next", [1], delta(4)))[1] == README_FIRST_16[:4]
+    del orphan

@@ -13,6 +13,7 @@ import asyncio
 import logging
 import queue
 import threading
+import weakref
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Optional, Union
@@ -43,6 +44,48 @@ class _Abort:
     request_id: str
 
 
+class RequestStream:
+    """The outputs of one submitted request, iterated once (see :meth:`AsyncLLMEngine.submit`).
+
+    Until its last output has been taken, closing the stream or garbage-collecting it aborts the
+    request, so a response that is never sent (the client went away before the body started) does
+    not leave the request running.
+    """
+
+    __slots__ = ("request_id", "_outputs", "_admitted", "_abort", "__weakref__")
+
+    def __init__(
+        self, engine: AsyncLLMEngine, request_id: str, outputs: asyncio.Queue, admitted: asyncio.Future
+    ) -> None:
+        self.request_id = request_id
+        self._outputs = outputs
+        self._admitted = admitted
+        self._abort = weakref.finalize(self, engine.abort, request_id)
+        self._abort.atexit = False
+
+    def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[RequestOutput]:
+        try:
+            await self._admitted  # raises the engine's ValueError for a bad request
+            while True:
+                item = await self._outputs.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if item.finished:
+                    self._abort.detach()
+                yield item
+                if item.finished:
+                    return
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Abort the request unless it has finished (idempotent, thread-safe)."""
+        self._abort()
+
+
 class AsyncLLMEngine:
     """Thread-backed asyncio front of :class:`LLMEngine` (one engine thread per instance)."""
 
@@ -53,6 +96,11 @@ class AsyncLLMEngine:
         self._on_step = on_step
         self._inbox: queue.SimpleQueue[Union[_Add, _Abort, None]] = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        # Adds submitted and not yet in the scheduler (or rejected by it). The engine thread lowers
+        # it only after add_request returns, so num_waiting may briefly count a request twice but
+        # never misses one: the admission limit errs on the safe side.
+        self._num_pending_adds = 0
+        self._pending_lock = threading.Lock()
         self._stopping = threading.Event()
         self.error: Optional[BaseException] = None
         self._thread = threading.Thread(target=self._run, name="pagoda-engine", daemon=True)
@@ -61,36 +109,43 @@ class AsyncLLMEngine:
     @property
     def num_waiting(self) -> int:
         """Requests queued for the engine: not yet scheduled, or not yet taken from the inbox."""
-        return self.engine.scheduler.num_waiting + self._inbox.qsize()
+        return self.engine.scheduler.num_waiting + self._num_pending_adds
 
     @property
     def is_alive(self) -> bool:
         return self._thread.is_alive() and self.error is None
+
+    def submit(self, request_id: str, prompt: Union[str, list[int]], params: SamplingParams) -> RequestStream:
+        """Queue a request now and return the stream of its outputs (call on the event loop).
+
+        The request counts in :attr:`num_waiting` from this call on, so an admission check followed
+        by ``submit`` with no ``await`` in between cannot be overtaken by another handler. A bad
+        request (ValueError) surfaces when the stream is iterated. Closing the stream, or dropping
+        it, before its last output aborts the request.
+        """
+        self._check_alive()
+        loop = asyncio.get_running_loop()
+        outputs: asyncio.Queue = asyncio.Queue()
+        admitted = loop.create_future()
+        with self._pending_lock:
+            self._num_pending_adds += 1
+        self._inbox.put(_Add(request_id, prompt, params, loop, outputs, admitted))
+        return RequestStream(self, request_id, outputs, admitted)
 
     async def generate(
         self, request_id: str, prompt: Union[str, list[int]], params: SamplingParams
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs until it finishes; ValueError if it is not admitted.
 
+        The request is queued when iteration starts (use :meth:`submit` to queue it at once).
         Leaving the loop early (or being cancelled) aborts the request.
         """
-        self._check_alive()
-        loop = asyncio.get_running_loop()
-        outputs: asyncio.Queue = asyncio.Queue()
-        admitted = loop.create_future()
-        self._inbox.put(_Add(request_id, prompt, params, loop, outputs, admitted))
-        finished = False
+        stream = self.submit(request_id, prompt, params)
         try:
-            await admitted  # raises the engine's ValueError for a bad request
-            while not finished:
-                item = await outputs.get()
-                if isinstance(item, BaseException):
-                    raise item
-                finished = item.finished
-                yield item
+            async for output in stream:
+                yield output
         finally:
-            if not finished:
-                self.abort(request_id)
+            stream.close()
 
     def abort(self, request_id: str) -> None:
         """Abort a request (thread-safe; takes effect before the engine's next step)."""
@@ -143,10 +198,15 @@ class AsyncLLMEngine:
         try:
             self.engine.add_request(command.request_id, command.prompt, command.params)
         except ValueError as exc:
-            command.loop.call_soon_threadsafe(_set_exception, command.admitted, exc)
+            _call_soon(command.loop, _set_exception, command.admitted, exc)
             return
-        self._streams[command.request_id] = (command.loop, command.outputs)
-        command.loop.call_soon_threadsafe(_set_result, command.admitted)
+        finally:
+            with self._pending_lock:
+                self._num_pending_adds -= 1
+        if _call_soon(command.loop, _set_result, command.admitted):
+            self._streams[command.request_id] = (command.loop, command.outputs)
+        else:  # its event loop closed meanwhile: nobody will read it
+            self.engine.abort_request(command.request_id)
 
     def _deliver_step(self, outputs: list[RequestOutput]) -> None:
         """Hand a step's outputs over with one wake-up per event loop, not one per request: at 32
@@ -158,7 +218,10 @@ class AsyncLLMEngine:
                 loop, request_queue = stream
                 batches.setdefault(loop, []).append((request_queue, output))
         for loop, items in batches.items():
-            loop.call_soon_threadsafe(_put_all, items)
+            if not _call_soon(loop, _put_all, items):  # that event loop closed: nobody will read them
+                for _, output in items:
+                    self._streams.pop(output.request_id, None)
+                    self.engine.abort_request(output.request_id)
 
     def _take_stream(self, request_id: str, last: bool) -> Optional[tuple[asyncio.AbstractEventLoop, asyncio.Queue]]:
         """The request's (loop, queue); forgotten when this is its last item."""
@@ -168,14 +231,25 @@ class AsyncLLMEngine:
         stream = self._take_stream(request_id, last)
         if stream is not None:
             loop, outputs = stream
-            loop.call_soon_threadsafe(outputs.put_nowait, item)
+            _call_soon(loop, outputs.put_nowait, item)
 
     def _fail_all(self, error: BaseException) -> None:
         for request_id in list(self._streams):
             self._deliver(request_id, error, last=True)
         while (command := _get_nowait(self._inbox)) is not None:
             if isinstance(command, _Add):
-                command.loop.call_soon_threadsafe(_set_exception, command.admitted, error)
+                with self._pending_lock:
+                    self._num_pending_adds -= 1
+                _call_soon(command.loop, _set_exception, command.admitted, error)
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, callback, *args) -> bool:
+    """``loop.call_soon_threadsafe``; False instead of an error if the loop has closed."""
+    try:
+        loop.call_soon_threadsafe(callback, *args)
+    except RuntimeError:  # "Event loop is closed"
+        return False
+    return True
 
 
 def _get_nowait(inbox: queue.SimpleQueue):

@@ -13,7 +13,7 @@ from typing import Any, Optional, Union
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from pagoda.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from pagoda.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestStream
 from pagoda.entrypoints.openai.errors import OpenAIError
 from pagoda.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from pagoda.outputs import CompletionOutput, RequestOutput
@@ -30,6 +30,7 @@ class _Sub:
     request_id: str
     prompt: Prompt
     index_base: int  # choice index = index_base + completion index
+    stream: Optional[RequestStream] = None  # set by OpenAIServing._submit
 
 
 class OpenAIServing:
@@ -49,6 +50,7 @@ class OpenAIServing:
         request_id = f"cmpl-{uuid.uuid4().hex}"
         prompts = body.prompts()
         subs = [_Sub(f"{request_id}-{i}", p, i * params.n) for i, p in enumerate(prompts)]
+        self._submit(subs, params)
         created = int(time.time())
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -130,6 +132,7 @@ class OpenAIServing:
             raise OpenAIError(400, str(exc), param="messages") from None
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         sub = _Sub(request_id, prompt_ids, 0)
+        self._submit([sub], params)
         created = int(time.time())
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -205,10 +208,23 @@ class OpenAIServing:
         assert final is not None and final.finished
         return final
 
+    def _submit(self, subs: list[_Sub], params: SamplingParams) -> None:
+        """Queue the engine requests at once, with no ``await`` since the admission check: a burst of
+        handlers in one event-loop iteration then sees each other in ``num_waiting``."""
+        try:
+            for sub in subs:
+                sub.stream = self.engine.submit(sub.request_id, sub.prompt, params)
+        except EngineDeadError as exc:
+            for sub in subs:
+                if sub.stream is not None:
+                    sub.stream.close()
+            raise OpenAIError(503, f"the request was not accepted: {exc}", type="service_unavailable") from None
+
     async def _stream(self, sub: _Sub, params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        assert sub.stream is not None, "submit before streaming"
         finished = False
         try:
-            async for output in self.engine.generate(sub.request_id, sub.prompt, params):
+            async for output in sub.stream:
                 if self.metrics is not None:
                     self.metrics.record_output(output, time.monotonic(), params.output_kind)
                 finished = output.finished
@@ -218,6 +234,7 @@ class OpenAIServing:
         except EngineDeadError as exc:
             raise OpenAIError(503, f"the request was aborted: {exc}", type="service_unavailable") from None
         finally:
+            sub.stream.close()  # aborts now, not when the generator is collected, if we stopped early
             if not finished and self.metrics is not None:
                 self.metrics.record_abort(sub.request_id)
 
