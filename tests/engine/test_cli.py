@@ -47,3 +47,12 @@ def test_help_shows_the_defaults():
     text = " ".join(result.stdout.split())
     assert "--max-num-seqs MAX_NUM_SEQS sequences per step (default: 256)" in text
     assert "--block-size BLOCK_SIZE tokens per KV block (default: 16)" in text
+
+
+def test_help_states_each_default_once_and_never_as_none():
+    result = run_pagoda("serve", "--help")
+    assert result.returncode == 0
+    text = " ".join(result.stdout.split())
+    assert "(default: None)" not in text
+    assert "--tokenizer TOKENIZER tokenizer directory (default: the model's) --dtype" in text
+    assert "--max-num-queued-requests MAX_NUM_QUEUED_REQUESTS" in text and "(default: 1024)" in text

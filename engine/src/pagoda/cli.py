@@ -222,13 +222,24 @@ def _add_serve_args(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--max-lora-rank", type=int, default=None, help="not supported yet")
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends ``(default: X)`` only where the help text does not already say what the default is,
+    and never ``(default: None)``: those flags' help explains what happens when they are left out."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.default is None or "default" in text.lower() or action.default is argparse.SUPPRESS:
+            return text
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagoda", description="Pagoda LLM engine")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser(
         "generate",
         help="offline generation with the built-in or a local model",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
     add_engine_args(gen)
     gen.add_argument("--prompt", action="append", help="a prompt (repeatable; default: 'Once upon a time')")
@@ -243,7 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser(
         "serve",
         help="the OpenAI-compatible HTTP server",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
     add_engine_args(serve)
     _add_serve_args(serve)
