@@ -72,7 +72,7 @@ def test_native_kernel_matches_sdpa(case, window, heads, dtype, monkeypatch):
 
 
 @pytest.mark.parametrize("head_dim", [16, 64, 128, 256])
-@pytest.mark.parametrize("block_size", [1, 16, 32])
+@pytest.mark.parametrize("block_size", [1, 5, 16, 32])  # 5: blocks straddle KV chunks; 70 = 14 x 5
 def test_native_kernel_handles_head_sizes_and_block_sizes(head_dim, block_size, monkeypatch):
     spec = AttentionLayerSpec(4, 2, head_dim, head_dim**-0.5)
     step = make_step([1, 12, 1], [70, 12, 33], 4, 2, head_dim, block_size, torch.bfloat16, seed=head_dim)

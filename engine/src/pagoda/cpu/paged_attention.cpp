@@ -52,26 +52,30 @@ std::pair<int64_t, int64_t> setup_rows(Rows& rows, const Task& task, const T* q,
     work.words.resize(count * D / 2 + (D / 2) * kKvChunk + (kKvChunk / 2) * D);
     qb = work.words.data();
   }
+  // A token's rows are the query heads kv_head * group onwards, adjacent in q: nested loops, no division
+  // per row (runtime divisions per row were a measurable share of short prefill tasks).
+  const int64_t per_token = task.kv_heads * group, tokens = count / per_token;
   int64_t lo = seq_len, hi = 0;
-  for (int64_t r = 0; r < count; ++r) {
-    const int64_t token = task.first_query + r / (task.kv_heads * group);
-    const int64_t head = (task.kv_head + (r / group) % task.kv_heads) * group + r % group;
-    const T* qr = q + ((query_start + token) * s.num_heads + head) * D;
-    if (tiles) {
-      std::copy_n(reinterpret_cast<const uint32_t*>(qr), D / 2, qb + r * D / 2);
-    } else {
-      for (int64_t d = 0; d < D; ++d) qf[r * D + d] = static_cast<float>(qr[d]) * s.scale;
-    }
-    const int64_t pos = seq_len - q_len + token;
+  for (int64_t tok = 0, r = 0; tok < tokens; ++tok) {
+    const int64_t token = task.first_query + tok, pos = seq_len - q_len + token;
     const int64_t begin = s.window > 0 ? std::max<int64_t>(0, pos - s.window + 1) : 0;
-    rows.first[r] = static_cast<float>(begin);
-    rows.last[r] = static_cast<float>(pos);
-    rows.max[r] = kNegInf;
-    rows.sum[r] = 0.0f;
-    std::fill(rows.acc + r * D, rows.acc + (r + 1) * D, 0.0f);
     lo = std::min(lo, begin);
     hi = std::max(hi, pos + 1);
+    const T* q_token = q + ((query_start + token) * s.num_heads + task.kv_head * group) * D;
+    for (int64_t j = 0; j < per_token; ++j, ++r) {
+      const T* qr = q_token + j * D;
+      if (tiles) {
+        std::copy_n(reinterpret_cast<const uint32_t*>(qr), D / 2, qb + r * D / 2);
+      } else {
+        for (int64_t d = 0; d < D; ++d) qf[r * D + d] = static_cast<float>(qr[d]) * s.scale;
+      }
+      rows.first[r] = static_cast<float>(begin);
+      rows.last[r] = static_cast<float>(pos);
+      rows.max[r] = kNegInf;
+      rows.sum[r] = 0.0f;
+    }
   }
+  std::fill(rows.acc, rows.acc + count * D, 0.0f);
   return {lo, hi};
 }
 
@@ -94,11 +98,15 @@ inline void store_paired_row(const float* acc, int64_t dim, float inv, at::BFloa
 
 template <typename T>
 void finish_rows(const Rows& rows, const Task& task, int64_t query_start, const Shape& s, bool tiles, T* out) {
-  const int64_t group = s.num_heads / s.num_kv_heads, D = s.head_dim;
-  for (int64_t r = 0; r < rows.count; ++r) {
-    const int64_t token = task.first_query + r / (task.kv_heads * group);
-    const int64_t head = (task.kv_head + (r / group) % task.kv_heads) * group + r % group;
-    T* orow = out + ((query_start + token) * s.num_heads + head) * D;
+  const int64_t group = s.num_heads / s.num_kv_heads, D = s.head_dim, per_token = task.kv_heads * group;
+  // rows of a token are adjacent heads in out, as in setup_rows
+  T* out_rows = out + ((query_start + task.first_query) * s.num_heads + task.kv_head * group) * D;
+  for (int64_t r = 0, j = 0; r < rows.count; ++r) {
+    T* orow = out_rows + j * D;
+    if (++j == per_token) {
+      j = 0;
+      out_rows += s.num_heads * D;
+    }
     const float inv = rows.sum[r] > 0.0f ? 1.0f / rows.sum[r] : 0.0f;
     const float* ar = rows.acc + r * D;
 #ifdef PAGODA_ATTN_BF16_DOT
@@ -123,6 +131,22 @@ void prefetch_rows(const T* const* row_ptrs, int64_t n, int64_t dim) {
       _mm_prefetch(reinterpret_cast<const char*>(row_ptrs[t]) + b, _MM_HINT_T0);
 }
 
+// offsets[t] = element offset of position c0 + t's row in a cache [blocks, block_size, kv_heads, dim] (token_stride =
+// kv_heads * dim): walks the block table instead of dividing every position by the runtime block size.
+inline void row_offsets(const int64_t* block_table, int64_t c0, int64_t n, int64_t block_size, int64_t token_stride,
+                        int64_t* offsets) {
+  if (n <= 0) return;
+  int64_t block = c0 / block_size, within = c0 - block * block_size;
+  int64_t base = block_table[block] * block_size;
+  for (int64_t t = 0; t < n; ++t) {
+    offsets[t] = (base + within) * token_stride;
+    if (++within == block_size && t + 1 < n) {  // never reads a table entry past the last position
+      within = 0;
+      base = block_table[++block] * block_size;
+    }
+  }
+}
+
 // A task's first K rows, fetched while the thread still works on the task before it: tasks at decode
 // are short, and their first chunk would otherwise wait on memory row by row.
 template <typename T>
@@ -130,12 +154,13 @@ void prefetch_first_keys(const Task& task, const T* key_cache, const int64_t* bl
                          int64_t seq_len, const Shape& s) {
   const int64_t pos = seq_len - q_len + task.first_query;
   const int64_t lo = s.window > 0 ? std::max<int64_t>(0, pos - s.window + 1) : 0;
-  const int64_t stride = s.num_kv_heads * s.head_dim;
-  std::vector<const T*> rows;  // about 32 rows' worth of bytes: the first chunk of a one-head task
-  for (int64_t p = lo; p < std::min(seq_len, lo + std::max<int64_t>(4, kKvChunk / task.kv_heads)); ++p)
-    rows.push_back(key_cache + (block_table[p / s.block_size] * s.block_size + p % s.block_size) * stride +
-                   task.kv_head * s.head_dim);
-  prefetch_rows(rows.data(), static_cast<int64_t>(rows.size()), s.head_dim * task.kv_heads);
+  // about 32 rows' worth of bytes: the first chunk of a one-head task
+  const int64_t n = std::min(seq_len, lo + std::max<int64_t>(4, kKvChunk / task.kv_heads)) - lo;
+  int64_t offsets[kKvChunk];
+  const T* rows[kKvChunk];
+  row_offsets(block_table, lo, n, s.block_size, s.num_kv_heads * s.head_dim, offsets);
+  for (int64_t t = 0; t < n; ++t) rows[t] = key_cache + offsets[t] + task.kv_head * s.head_dim;
+  prefetch_rows(rows, n, s.head_dim * task.kv_heads);
 }
 
 template <typename T>
@@ -151,20 +176,19 @@ void attend(const Task& task, const T* q, const T* key_cache, const T* value_cac
   float* qf = nullptr;
   uint32_t* qb = nullptr;
   const auto [lo, hi] = setup_rows(rows, task, q, query_start, q_len, seq_len, s, work, tiles, qf, qb);
-  const int64_t token_stride = s.num_kv_heads * D;
-  auto row_at = [&](const T* cache, int64_t pos) {
-    return cache + (block_table[pos / s.block_size] * s.block_size + pos % s.block_size) * token_stride + task.kv_head * D;
-  };
+  const int64_t token_stride = s.num_kv_heads * D, head_offset = task.kv_head * D;
   const T* k_rows[kKvChunk];
   const T* v_rows[kKvChunk];
   const T* next_k[kKvChunk];
+  int64_t offsets[2 * kKvChunk];  // this chunk's rows, then the next chunk's
   for (int64_t c0 = lo; c0 < hi; c0 += kKvChunk) {
     const int64_t n = std::min(kKvChunk, hi - c0), n_next = std::clamp<int64_t>(hi - c0 - kKvChunk, 0, kKvChunk);
+    row_offsets(block_table, c0, n + n_next, s.block_size, token_stride, offsets);
     for (int64_t t = 0; t < n; ++t) {
-      k_rows[t] = row_at(key_cache, c0 + t);
-      v_rows[t] = row_at(value_cache, c0 + t);
+      k_rows[t] = key_cache + offsets[t] + head_offset;
+      v_rows[t] = value_cache + offsets[t] + head_offset;
     }
-    for (int64_t t = 0; t < n_next; ++t) next_k[t] = row_at(key_cache, c0 + kKvChunk + t);
+    for (int64_t t = 0; t < n_next; ++t) next_k[t] = key_cache + offsets[n + t] + head_offset;
     // One head's rows sit 2 KB and more apart in blocks placed anywhere in the pool: too scattered for
     // the hardware prefetcher, so V rows are fetched while scores run and the next K rows during the V sums.
     if (task.kv_heads == 1) prefetch_rows(v_rows, n, D);
