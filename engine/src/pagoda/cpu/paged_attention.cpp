@@ -207,10 +207,18 @@ void attend(const Task& task, const T* q, const T* key_cache, const T* value_cac
       }
     }
 #endif
-    scores_f32(rows, qf, k_rows, c0, n);
+    if (D == 128) {  // the common head size (Llama, Qwen, Mistral): its vectors fit in registers
+      scores_f32<T, 8>(rows, qf, k_rows, c0, n);
+    } else {
+      scores_f32(rows, qf, k_rows, c0, n);
+    }
     for (int64_t r = 0; r < rows.count; ++r) softmax_chunk(rows, r);
     if (task.kv_heads == 1) prefetch_rows(next_k, n_next, D);
-    values_f32(rows, v_rows, n);
+    if (D == 128) {
+      values_f32<T, 8>(rows, v_rows, n);
+    } else {
+      values_f32(rows, v_rows, n);
+    }
   }
   finish_rows(rows, task, query_start, s, tiles, out);
 }

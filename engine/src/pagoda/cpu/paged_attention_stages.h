@@ -99,10 +99,11 @@ inline void softmax_chunk(Rows& rows, int64_t r) {
 }
 
 // float32 path, scores: qf [count][dim] (scaled queries); k_rows[t] = K row of token c0 + t for the task's
-// first KV head (head h's row follows h * dim elements later).
-template <typename T>
+// first KV head (head h's row follows h * dim elements later). kVecs = dim / 16 when known at compile time
+// (0: read it from rows): with a constant the K/V vectors stay in registers instead of spilling to the stack.
+template <typename T, int kVecs = 0>
 void scores_f32(Rows& rows, const float* qf, const T* const* k_rows, int64_t c0, int64_t n) {
-  const int64_t D = rows.dim, vecs = D / 16, per_token = rows.heads * rows.group;
+  const int64_t D = rows.dim, vecs = kVecs > 0 ? kVecs : D / 16, per_token = rows.heads * rows.group;
   for (int64_t t = 0; t < n; ++t) {
     const float pos = static_cast<float>(c0 + t);
     for (int64_t h = 0; h < rows.heads; ++h) {
@@ -125,9 +126,9 @@ void scores_f32(Rows& rows, const float* qf, const T* const* k_rows, int64_t c0,
 }
 
 // float32 path, V: acc_r += p_r[t] * v_t (v_rows like k_rows in scores_f32).
-template <typename T>
+template <typename T, int kVecs = 0>
 void values_f32(Rows& rows, const T* const* v_rows, int64_t n) {
-  const int64_t D = rows.dim, vecs = D / 16, per_token = rows.heads * rows.group;
+  const int64_t D = rows.dim, vecs = kVecs > 0 ? kVecs : D / 16, per_token = rows.heads * rows.group;
   for (int64_t t = 0; t < n; ++t) {
     for (int64_t h = 0; h < rows.heads; ++h) {
       __m512 vv[kMaxHeadDim / 16];
