@@ -58,9 +58,9 @@ CASES = {
 @pytest.mark.parametrize("window", [None, 9])
 @pytest.mark.parametrize("heads", [(4, 4), (8, 2), (6, 1)])  # MHA, GQA, MQA
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_native_kernel_matches_sdpa(case, window, heads, dtype, monkeypatch):
+@pytest.mark.parametrize("head_dim", [32, 128])  # bf16 decode rows at 128 take the vdpbf16ps decode stages
+def test_native_kernel_matches_sdpa(case, window, heads, dtype, head_dim, monkeypatch):
     num_heads, num_kv_heads = heads
-    head_dim = 32
     spec = AttentionLayerSpec(num_heads, num_kv_heads, head_dim, head_dim**-0.5, window)
     step = make_step(*CASES[case], num_heads, num_kv_heads, head_dim, block_size=16, dtype=dtype)
     want, want_cache = attend(step, spec, native=False, monkeypatch=monkeypatch)
@@ -127,12 +127,13 @@ def test_bad_shapes_raise_instead_of_reading_out_of_bounds():
 
 
 @pytest.mark.parametrize("num_reqs", [1, 3, 32])
-def test_decode_tasks_spanning_several_kv_heads_match_sdpa(num_reqs, monkeypatch):
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_decode_tasks_spanning_several_kv_heads_match_sdpa(num_reqs, head_dim, monkeypatch):
     # decode tasks take a group of KV heads sized by batch and thread count (8 heads over 3 requests:
     # groups of 3, 3 and 2); every grouping gives each row the same arithmetic
-    spec = AttentionLayerSpec(16, 8, 64, 64**-0.5)
+    spec = AttentionLayerSpec(16, 8, head_dim, head_dim**-0.5)
     lens = [1 + (37 * i) % 90 for i in range(num_reqs)]
-    step = make_step([1] * num_reqs, lens, 16, 8, 64, 16, torch.bfloat16, seed=num_reqs)
+    step = make_step([1] * num_reqs, lens, 16, 8, head_dim, 16, torch.bfloat16, seed=num_reqs)
     want, _ = attend(step, spec, native=False, monkeypatch=monkeypatch)
     got, _ = attend(step, spec, native=True, monkeypatch=monkeypatch)
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
