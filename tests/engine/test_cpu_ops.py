@@ -45,7 +45,7 @@ def test_rms_norm_over_heads_of_a_strided_qkv_view(dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("head_dim", [8, 128])
+@pytest.mark.parametrize("head_dim", [8, 64, 128])  # 64 and 128: the bf16 vector path
 def test_rotary_is_bit_identical_to_the_rotate_half_expression(dtype: torch.dtype, head_dim: int) -> None:
     torch.manual_seed(head_dim)
     qkv = torch.randn(7, 6 * head_dim).to(dtype)
