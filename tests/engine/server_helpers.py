@@ -14,6 +14,16 @@ from typing import Any, Optional
 CHAT_TEMPLATE = "{% for m in messages %}{% if m['role'] == 'user' %}{{ m['content'] }}{% endif %}{% endfor %}"
 
 
+def _read_response(response: http.client.HTTPResponse) -> tuple[int, dict, Any]:
+    """(status, headers, body as JSON, or as text when it is not JSON, e.g. a Server-Sent Events stream)."""
+    payload = response.read()
+    try:
+        parsed = json.loads(payload) if payload else None
+    except json.JSONDecodeError:
+        parsed = payload.decode()
+    return response.status, dict(response.getheaders()), parsed
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -36,13 +46,9 @@ class Server:
         data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
         conn.request(method, path, body=data, headers={"Content-Type": "application/json", **(headers or {})})
         response = conn.getresponse()
-        payload = response.read()
+        result = _read_response(response)
         conn.close()
-        try:
-            parsed = json.loads(payload) if payload else None
-        except json.JSONDecodeError:
-            parsed = payload.decode()
-        return response.status, dict(response.getheaders()), parsed
+        return result
 
     def burst(self, path: str, bodies: list[Any]) -> list[tuple[int, dict, Any]]:
         """POST every body on its own connection, all sent back to back once every connection is
@@ -56,13 +62,8 @@ class Server:
         for sock in sockets:
             response = http.client.HTTPResponse(sock)
             response.begin()
-            payload = response.read()
+            results.append(_read_response(response))
             sock.close()
-            try:
-                parsed = json.loads(payload) if payload else None
-            except json.JSONDecodeError:
-                parsed = payload.decode()
-            results.append((response.status, dict(response.getheaders()), parsed))
         return results
 
     def metric(self, name: str) -> float:
