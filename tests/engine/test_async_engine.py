@@ -135,7 +135,7 @@ def test_a_submitted_request_counts_as_waiting_at_once_and_dropping_its_stream_a
         # Counted before any await: an admission check in the same event-loop iteration sees them.
         # (It may briefly count one twice while the engine thread moves it into the scheduler.)
         assert async_engine.num_waiting >= 3
-        await asyncio.sleep(0.05)
+        await wait_until(lambda: async_engine.num_waiting == 3)  # all three in the scheduler's queue
         assert async_engine.num_waiting == 3
         del queued  # e.g. a response whose body never started
         gc.collect()
