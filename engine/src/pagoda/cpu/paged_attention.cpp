@@ -41,13 +41,14 @@ std::pair<int64_t, int64_t> setup_rows(Rows& rows, const Task& task, const T* q,
                                        uint32_t*& qb) {
   const int64_t group = s.num_heads / s.num_kv_heads, D = s.head_dim;
   const int64_t count = std::min(kQueryTile, q_len - task.first_query) * task.kv_heads * group;
-  work.floats.resize(count * (2 * D + kKvChunk + 4));
+  work.floats.resize(count * (2 * D + kKvChunk + 5));
   float* f = work.floats.data();
   rows = Rows{count, D, task.kv_heads, group, f, f + count * D, f + count * (D + kKvChunk), nullptr, nullptr, nullptr};
   rows.sum = rows.max + count;
   rows.first = rows.sum + count;
   rows.last = rows.first + count;
-  qf = rows.last + count;  // [count][D], float32 path only
+  rows.correction = rows.last + count;
+  qf = rows.correction + count;  // [count][D], float32 path only
   if (tiles) {
     work.words.resize(count * D / 2 + (D / 2) * kKvChunk + (kKvChunk / 2) * D);
     qb = work.words.data();
@@ -199,7 +200,6 @@ void attend(const Task& task, const T* q, const T* key_cache, const T* value_cac
         uint32_t* vp = kt + (D / 2) * kKvChunk;
         transpose_keys(k_rows, n, D, kt);
         scores_bf16(rows, qb, kt, c0, s.scale);
-        for (int64_t r = 0; r < rows.count; ++r) softmax_chunk(rows, r);
         prefetch_rows(next_k, n_next, D);
         pair_values(v_rows, n, D, vp);
         values_bf16(rows, vp, n);

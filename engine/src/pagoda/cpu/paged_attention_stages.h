@@ -9,7 +9,8 @@
 //   is a vector dot product with a horizontal sum per (row, token).
 // - bf16 tiles (bf16 caches on AVX512-BF16): a chunk's K is transposed to [dim pairs][tokens] and its V
 //   rows interleaved in token pairs, so vdpbf16ps produces 16 tokens' scores, or 16 output dims, per
-//   instruction with no horizontal sums. Probabilities enter the V sum rounded to bf16, as in
+//   instruction with no horizontal sums. The online softmax runs on the scores while they are still in
+//   registers (score_rows). Probabilities enter the V sum rounded to bf16, as in
 //   flash-attention kernels; scores, softmax and sums stay float32.
 #pragma once
 
@@ -71,6 +72,7 @@ struct Rows {
   float* sum = nullptr;     // [count] running sum of exp(score - max)
   float* first = nullptr;   // [count] first visible position (float: positions stay far below 2^24)
   float* last = nullptr;    // [count] last visible position
+  float* correction = nullptr;  // [count] bf16 tiles: the chunk's rescale of acc, applied in the V sums
 };
 
 // Masked scores (-inf) become 0; the rest exp(score - running max), and acc is rescaled to the new max.
@@ -204,7 +206,11 @@ inline void pair_values(const at::BFloat16* const* v_rows, int64_t n, int64_t di
   }
 }
 
-// Scores of up to four rows at once: eight independent dot-product chains keep vdpbf16ps busy.
+// Scores, online softmax and bf16 probabilities of up to four rows at once, the scores never leaving
+// registers: eight independent dot-product chains keep vdpbf16ps busy. Row r's scores row then starts with
+// kKvChunk / 2 bf16 probability pairs, and rows.correction[r] holds the factor its acc still has to be
+// rescaled by (value_block applies it as it loads acc). A separate softmax pass over stored scores, and its
+// rescale of acc, took ~18% of prefill attention.
 template <int RB>
 inline void score_rows(Rows& rows, const uint32_t* qb, const uint32_t* kt, int64_t r0, int64_t c0, float scale) {
   const int64_t pairs = rows.dim / 2;
@@ -220,18 +226,37 @@ inline void score_rows(Rows& rows, const uint32_t* qb, const uint32_t* kt, int64
     }
   }
   const __m512 lane = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-  const __m512 inf = _mm512_set1_ps(kNegInf), sv = _mm512_set1_ps(scale);
+  const __m512 pos0 = _mm512_add_ps(lane, _mm512_set1_ps(static_cast<float>(c0)));
+  const __m512 pos1 = _mm512_add_ps(pos0, _mm512_set1_ps(16.0f));
+  const __m512 sv = _mm512_set1_ps(scale);
   for (int i = 0; i < RB; ++i) {
     const int64_t r = r0 + i;
+    // positions outside [first, last] (including tokens past the chunk) are masked out
     const __m512 lo = _mm512_set1_ps(rows.first[r]), hi = _mm512_set1_ps(rows.last[r]);
-    for (int h = 0; h < 2; ++h) {  // positions outside [first, last] (including tokens past the chunk) -> -inf
-      const __m512 pos = _mm512_add_ps(lane, _mm512_set1_ps(static_cast<float>(c0 + 16 * h)));
-      const __mmask16 visible = _mm512_cmp_ps_mask(pos, lo, _CMP_GE_OQ) & _mm512_cmp_ps_mask(pos, hi, _CMP_LE_OQ);
-      _mm512_storeu_ps(rows.scores + r * kKvChunk + 16 * h, _mm512_mask_blend_ps(visible, inf, _mm512_mul_ps(s[i][h], sv)));
+    const __mmask16 vis0 = _mm512_cmp_ps_mask(pos0, lo, _CMP_GE_OQ) & _mm512_cmp_ps_mask(pos0, hi, _CMP_LE_OQ);
+    const __mmask16 vis1 = _mm512_cmp_ps_mask(pos1, lo, _CMP_GE_OQ) & _mm512_cmp_ps_mask(pos1, hi, _CMP_LE_OQ);
+    uint32_t* probs = reinterpret_cast<uint32_t*>(rows.scores + r * kKvChunk);
+    if ((vis0 | vis1) == 0) {  // nothing visible to this row in the chunk
+      _mm512_storeu_si512(probs, _mm512_setzero_si512());
+      rows.correction[r] = 1.0f;
+      continue;
     }
+    const __m512 s0 = _mm512_mask_blend_ps(vis0, _mm512_set1_ps(kNegInf), _mm512_mul_ps(s[i][0], sv));
+    const __m512 s1 = _mm512_mask_blend_ps(vis1, _mm512_set1_ps(kNegInf), _mm512_mul_ps(s[i][1], sv));
+    const float old_max = rows.max[r], new_max = std::max(old_max, _mm512_reduce_max_ps(_mm512_max_ps(s0, s1)));
+    const float correction = old_max == kNegInf ? 0.0f : std::exp(old_max - new_max);
+    const __m512 mv = _mm512_set1_ps(new_max);
+    const __m512 p0 = _mm512_maskz_mov_ps(vis0, exp_nonpositive(_mm512_sub_ps(s0, mv)));
+    const __m512 p1 = _mm512_maskz_mov_ps(vis1, exp_nonpositive(_mm512_sub_ps(s1, mv)));
+    rows.sum[r] = rows.sum[r] * correction + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
+    rows.max[r] = new_max;
+    rows.correction[r] = correction;
+    const __m256i b0 = (__m256i)_mm512_cvtneps_pbh(p0), b1 = (__m256i)_mm512_cvtneps_pbh(p1);
+    _mm512_storeu_si512(probs, _mm512_inserti64x4(_mm512_castsi256_si512(b0), b1, 1));
   }
 }
 
+// Every row's chunk stage before the V sums (see score_rows).
 inline void scores_bf16(Rows& rows, const uint32_t* qb, const uint32_t* kt, int64_t c0, float scale) {
   int64_t r = 0;
   for (; r + 4 <= rows.count; r += 4) score_rows<4>(rows, qb, kt, r, c0, scale);
@@ -244,8 +269,10 @@ template <int RB, int G>
 inline void value_block(Rows& rows, const uint32_t* vp, int64_t token_pairs, int64_t r0, int64_t g0) {
   const int64_t D = rows.dim;
   __m512 acc[RB][G];
-  for (int i = 0; i < RB; ++i)
-    for (int g = 0; g < G; ++g) acc[i][g] = _mm512_loadu_ps(rows.acc + (r0 + i) * D + (g0 + g) * 16);
+  for (int i = 0; i < RB; ++i) {
+    const __m512 correction = _mm512_set1_ps(rows.correction[r0 + i]);
+    for (int g = 0; g < G; ++g) acc[i][g] = _mm512_mul_ps(_mm512_loadu_ps(rows.acc + (r0 + i) * D + (g0 + g) * 16), correction);
+  }
   for (int64_t j = 0; j < token_pairs; ++j) {
     __m512bh pv[RB];
     for (int i = 0; i < RB; ++i) {
@@ -269,16 +296,10 @@ inline void value_rows(Rows& rows, const uint32_t* vp, int64_t token_pairs, int6
   if (g < groups) value_block<RB, 2>(rows, vp, token_pairs, r0, g);
 }
 
-// acc_r += sum_t bf16(p_r[t]) * v_t over token pairs; acc in paired_dim order. Each row's probabilities
-// are first rounded to bf16 in place (its scores row then starts with kKvChunk / 2 bf16 pairs).
+// acc_r = acc_r * correction_r + sum_t p_r[t] * v_t over token pairs, p_r the bf16 pairs score_rows left; acc
+// in paired_dim order.
 inline void values_bf16(Rows& rows, const uint32_t* vp, int64_t n) {
   const int64_t token_pairs = (n + 1) / 2;
-  for (int64_t r = 0; r < rows.count; ++r) {
-    float* pr = rows.scores + r * kKvChunk;
-    const __m256i lo = (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(pr));
-    const __m256i hi = (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(pr + 16));
-    _mm512_storeu_si512(pr, _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1));
-  }
   int64_t r = 0;
   for (; r + 4 <= rows.count; r += 4) value_rows<4>(rows, vp, token_pairs, r);
   for (; r < rows.count; ++r) value_rows<1>(rows, vp, token_pairs, r);
