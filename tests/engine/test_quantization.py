@@ -8,12 +8,13 @@ import torch.nn.functional as F
 
 from pagoda import LLM, EngineArgs, SamplingParams
 from pagoda.cpu import cpu_ops
-from pagoda.layers.linear import Linear
+from pagoda.layers.linear import Linear, MergedLinear
 from pagoda.layers.linear_kernels import (
     NATIVE_BF16,
     NATIVE_INT8,
     Int8WeightOnlyLinear,
     NativeBf16Linear,
+    NativeGatedBf16Linear,
     PackedLinear,
     native_linear_support,
     onednn_packing_available,
@@ -85,6 +86,32 @@ def test_native_bf16_kernel_matches_a_float32_product(shape: tuple[int, int], ro
     assert got.dtype == torch.bfloat16 and got.shape == (2, rows, out_features)
     # float32 sums of exact bf16 products: the only error left is the final rounding to bf16
     torch.testing.assert_close(got.float(), want, atol=1e-5 * float(want.abs().max()), rtol=2**-8)
+
+
+@needs_native_bf16
+@pytest.mark.parametrize("in_features", [64, 99, 1024])
+@pytest.mark.parametrize("rows", [1, 7, 64, 200])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_gated_kernel_is_silu_and_mul_over_the_plain_kernel_bit_for_bit(
+    in_features: int, rows: int, with_bias: bool
+) -> None:
+    torch.manual_seed(rows + in_features)
+    inter = 96
+    weight = torch.randn(2 * inter, in_features, dtype=torch.bfloat16)  # [gate | up]
+    bias = torch.randn(2 * inter, dtype=torch.bfloat16) if with_bias else None
+    x = torch.randn(rows, in_features, dtype=torch.bfloat16)
+    plain, gated = NativeBf16Linear.from_weight(weight, bias), NativeGatedBf16Linear.from_weight(weight, bias)
+    assert torch.equal(gated.silu_and_mul(x), torch.ops.pagoda_cpu.silu_and_mul(plain(x)))
+    # called as a plain linear it still returns [gate | up] in checkpoint order
+    assert torch.equal(gated(x), plain(x))
+    assert torch.equal(gated.float_output(x), plain.float_output(x))
+    assert gated.silu_and_mul(x.view(1, rows, in_features)).shape == (1, rows, inter)
+
+
+def test_gated_projection_needs_two_equal_parts() -> None:
+    assert MergedLinear(8, [32, 32], bias=False, dtype=torch.bfloat16, gated=True).gated
+    with pytest.raises(ValueError, match="two equal parts"):
+        MergedLinear(8, [32, 16], bias=False, dtype=torch.bfloat16, gated=True)
 
 
 @needs_native_bf16
@@ -191,7 +218,7 @@ def test_prepare_packs_bf16_keeps_fp32_on_torch_and_quantizes_everything_for_int
     bf16 = load_model(model_dir, TorchAttentionBackend(), torch.bfloat16)
     counts = prepare_linear_layers(bf16, torch.device("cpu"), torch.bfloat16, None)
     if native_linear_support(NATIVE_BF16):
-        assert counts == {"native-bf16": 9}
+        assert counts == {"native-bf16": 7, "native-bf16-gated": 2}  # gate_up of both layers: SiLU in the epilogue
     elif onednn_packing_available(torch.bfloat16):
         assert counts == {"onednn-packed": 9}
     int8 = load_model(model_dir, TorchAttentionBackend(), torch.float32)

@@ -40,6 +40,7 @@ RowLayout row_layout(const at::Tensor& x) {
 #define PAGODA_FUSED_BF16 1
 using pagoda_simd::load16;
 using pagoda_simd::round_bf16;
+using pagoda_simd::silu_mul_bf16;
 using pagoda_simd::store_bf16;
 
 // One bf16 row of rms_rows, 16 lanes at a time with the same rounding steps (prefill runs thousands of rows).
@@ -60,15 +61,6 @@ inline void rms_row_bf16(const at::BFloat16* xr, const at::BFloat16* res, const 
     store_bf16(out + i, _mm512_mul_ps(load16(weight + i), round_bf16(_mm512_mul_ps(_mm512_loadu_ps(s + i), inv))));
 }
 
-// silu(g) * u for 16 lanes, rounded like bf16(bf16(g / (1 + exp(-g))) * u); exp(-|g|) never overflows.
-inline __m512 silu_mul_bf16(__m512 g, __m512 u) {
-  const __m512 e = pagoda_simd::exp_nonpositive(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
-  const __m512 one = _mm512_set1_ps(1.0f);
-  const __mmask16 negative = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ);
-  // g >= 0: exp(-g) = e; g < 0: exp(-g) = 1 / e
-  const __m512 denom = _mm512_add_ps(one, _mm512_mask_div_ps(e, negative, one, e));
-  return _mm512_mul_ps(round_bf16(_mm512_div_ps(g, denom)), u);
-}
 #endif
 
 // out = weight * to_dtype(s * rsqrt(mean(s^2) + eps)), s = x (+ residual, rounded to the dtype)

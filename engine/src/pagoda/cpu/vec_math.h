@@ -43,6 +43,16 @@ inline __m512 round_bf16(__m512 v) {
 inline void store_bf16(at::BFloat16* p, __m512 v) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(v));
 }
+
+// silu(g) * u for 16 lanes, rounded like bf16(bf16(g / (1 + exp(-g))) * u); exp(-|g|) never overflows.
+inline __m512 silu_mul_bf16(__m512 g, __m512 u) {
+  const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
+  const __m512 one = _mm512_set1_ps(1.0f);
+  const __mmask16 negative = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ);
+  // g >= 0: exp(-g) = e; g < 0: exp(-g) = 1 / e
+  const __m512 denom = _mm512_add_ps(one, _mm512_mask_div_ps(e, negative, one, e));
+  return _mm512_mul_ps(round_bf16(_mm512_div_ps(g, denom)), u);
+}
 #endif
 
 }  // namespace pagoda_simd

@@ -91,12 +91,24 @@ class MergedLinear(Linear):
     """Several projections of the same input stored as one matrix, so they run as one GEMM.
 
     Output rows are the concatenation of the parts in order (e.g. [q | k | v] or [gate | up]);
-    each checkpoint tensor is copied into its part with :meth:`load_part`.
+    each checkpoint tensor is copied into its part with :meth:`load_part`. ``gated`` marks a
+    [gate | up] pair whose kernel may compute ``silu(gate) * up`` itself (:meth:`forward_silu_and_mul`).
     """
 
-    def __init__(self, in_features: int, output_sizes: Sequence[int], bias: bool, dtype: torch.dtype) -> None:
+    def __init__(
+        self, in_features: int, output_sizes: Sequence[int], bias: bool, dtype: torch.dtype, gated: bool = False
+    ) -> None:
         super().__init__(in_features, sum(output_sizes), bias, dtype)
         self.output_sizes = tuple(output_sizes)
+        if gated and (len(self.output_sizes) != 2 or self.output_sizes[0] != self.output_sizes[1]):
+            raise ValueError(f"a gated projection has two equal parts, not {self.output_sizes}")
+        self.gated = gated
+
+    def forward_silu_and_mul(self, x: torch.Tensor) -> Optional[torch.Tensor]:
+        """``silu(gate) * up`` in one pass when the kernel has that epilogue (see
+        :class:`~pagoda.layers.linear_kernels.NativeGatedBf16Linear`); None otherwise."""
+        fused = getattr(self.kernel, "silu_and_mul", None) if self.gated else None
+        return None if fused is None else fused(x)  # x: [num_tokens, in] -> [num_tokens, intermediate]
 
     def part_rows(self, index: int) -> slice:
         """Rows of the fused weight that hold part ``index``."""

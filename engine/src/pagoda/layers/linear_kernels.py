@@ -8,6 +8,10 @@ layer's weight with a kernel object:
 - :class:`NativeBf16Linear`: bf16 on CPUs with AVX512-BF16. The weight is repacked into the
   native kernel's tile layout (:mod:`pagoda.cpu`, ``packed_linear.cpp``), which streams it at
   close to the machine's read bandwidth at batch 1 and matches oneDNN in compute-bound prefill.
+- :class:`NativeGatedBf16Linear`: the same kernel for a fused [gate | up] projection followed by
+  SiLU: rows are packed so that each tile holds matching gate and up rows, and ``silu(gate) * up``
+  is computed in the GEMM's epilogue instead of as a second pass over a [tokens, 2 x intermediate]
+  output.
 - :class:`PackedLinear`: the weight reordered once into oneDNN's blocked layout (bf16 without the
   native kernel, fp16). Results are bit-identical to ``F.linear`` (the same oneDNN GEMM, minus the
   reorder).
@@ -89,6 +93,57 @@ class NativeBf16Linear:
 
     def float_output(self, x: torch.Tensor) -> torch.Tensor:  # self(x).float() in one pass
         return torch.ops.pagoda_cpu.bf16_linear(x, self.packed, self.out_features, self.bias, True)
+
+
+_GATED_TILE_ROWS = 32  # gate rows per tile of the native kernel (the other 32 of its 64 are the matching up rows)
+
+
+@dataclass(slots=True)
+class NativeGatedBf16Linear:
+    """A [gate | up] bf16 weight in the native tile layout with each tile holding gate rows 32t..32t+31 and the
+    same up rows: :meth:`silu_and_mul` writes ``silu(gate) * up`` from the GEMM's epilogue, bit-identical to
+    ``silu_and_mul`` over :class:`NativeBf16Linear`'s output.
+    """
+
+    packed: torch.Tensor  # [2 * intermediate / 64, ceil(in/2), 64, 2]
+    out_features: int  # 2 * intermediate
+    bias: Optional[torch.Tensor]  # [out], in tile order
+    name: str = "native-bf16-gated"
+
+    @staticmethod
+    def supports(out_features: int) -> bool:
+        return out_features % (2 * _GATED_TILE_ROWS) == 0
+
+    @staticmethod
+    def tile_order(out_features: int) -> torch.Tensor:
+        """Row i of the packed weight is row tile_order[i] of [gate | up]."""
+        inter = out_features // 2
+        return (
+            torch.arange(out_features).view(2, inter // _GATED_TILE_ROWS, _GATED_TILE_ROWS).transpose(0, 1).reshape(-1)
+        )
+
+    @staticmethod
+    def from_weight(weight: torch.Tensor, bias: Optional[torch.Tensor]) -> NativeGatedBf16Linear:
+        assert native_linear_support(NATIVE_BF16), "the native bf16 kernel is not built for this machine"
+        assert NativeGatedBf16Linear.supports(weight.shape[0]), weight.shape
+        order = NativeGatedBf16Linear.tile_order(weight.shape[0])
+        packed = torch.ops.pagoda_cpu.pack_linear_weight(weight.detach()[order])
+        return NativeGatedBf16Linear(packed, weight.shape[0], None if bias is None else bias[order].contiguous())
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., in] -> [..., intermediate]
+        return torch.ops.pagoda_cpu.bf16_silu_mul_linear(x, self.packed, self.out_features // 2, self.bias)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., in] -> [..., out], [gate | up] as stored
+        tiled = torch.ops.pagoda_cpu.bf16_linear(x, self.packed, self.out_features, self.bias)
+        return self._untile(tiled)
+
+    def float_output(self, x: torch.Tensor) -> torch.Tensor:
+        return self._untile(torch.ops.pagoda_cpu.bf16_linear(x, self.packed, self.out_features, self.bias, True))
+
+    def _untile(self, y: torch.Tensor) -> torch.Tensor:  # columns in tile order -> [gate | up]
+        lead = y.shape[:-1]
+        tiles = self.out_features // (2 * _GATED_TILE_ROWS)
+        return y.reshape(-1, tiles, 2, _GATED_TILE_ROWS).transpose(1, 2).reshape(*lead, self.out_features)
 
 
 @dataclass(slots=True)
@@ -174,7 +229,7 @@ def prepare_linear_layers(
     model: nn.Module, device: torch.device, dtype: torch.dtype, quantization: Optional[str]
 ) -> dict[str, int]:
     """Give every Linear of ``model`` its kernel; return how many layers got which kernel."""
-    from pagoda.layers.linear import Linear
+    from pagoda.layers.linear import Linear, MergedLinear
 
     validate_quantization(quantization, device)
     pack = device.type == "cpu" and onednn_packing_available(dtype)
@@ -183,7 +238,8 @@ def prepare_linear_layers(
     for layer in model.modules():
         if not isinstance(layer, Linear):
             continue
-        kernel = _kernel_for(layer, pack, native_bf16, quantization)
+        gated = isinstance(layer, MergedLinear) and layer.gated
+        kernel = _kernel_for(layer, pack, native_bf16, quantization, gated)
         if kernel is not None:
             layer.set_kernel(kernel)
         name = kernel.name if kernel is not None else "torch-linear"
@@ -193,11 +249,13 @@ def prepare_linear_layers(
 
 
 def _kernel_for(
-    layer: Linear, pack: bool, native_bf16: bool, quantization: Optional[str]
-) -> Optional[NativeBf16Linear | PackedLinear | Int8WeightOnlyLinear]:
+    layer: Linear, pack: bool, native_bf16: bool, quantization: Optional[str], gated: bool
+) -> Optional[NativeBf16Linear | NativeGatedBf16Linear | PackedLinear | Int8WeightOnlyLinear]:
     bias = None if layer.bias is None else layer.bias.detach()
     if quantization == "int8":
         return Int8WeightOnlyLinear.from_weight(layer.weight, bias)
+    if native_bf16 and gated and NativeGatedBf16Linear.supports(layer.out_features):
+        return NativeGatedBf16Linear.from_weight(layer.weight, bias)
     if native_bf16:
         return NativeBf16Linear.from_weight(layer.weight, bias)
     if pack:

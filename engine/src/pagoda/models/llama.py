@@ -85,12 +85,15 @@ class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
         inter = config.intermediate_size
-        self.gate_up_proj = MergedLinear(config.hidden_size, [inter, inter], config.mlp_bias, dtype)
         self.act = SiluAndMul(config.hidden_act)
+        self.gate_up_proj = MergedLinear(config.hidden_size, [inter, inter], config.mlp_bias, dtype, self.act.is_silu)
         self.down_proj = Linear(inter, config.hidden_size, config.mlp_bias, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [num_tokens, hidden]
-        return self.down_proj(self.act(self.gate_up_proj(x)))  # gate_up: [num_tokens, 2 * intermediate]
+        hidden = self.gate_up_proj.forward_silu_and_mul(x)  # [num_tokens, intermediate] where the kernel fuses it
+        if hidden is None:
+            hidden = self.act(self.gate_up_proj(x))  # gate_up: [num_tokens, 2 * intermediate]
+        return self.down_proj(hidden)
 
 
 class LlamaDecoderLayer(nn.Module):
