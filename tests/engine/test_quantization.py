@@ -108,6 +108,21 @@ def test_gated_kernel_is_silu_and_mul_over_the_plain_kernel_bit_for_bit(
     assert gated.silu_and_mul(x.view(1, rows, in_features)).shape == (1, rows, inter)
 
 
+@needs_native_bf16
+@needs_native_int8
+def test_native_kernels_reject_a_bias_of_the_wrong_size() -> None:
+    weight, x = torch.randn(64, 32, dtype=torch.bfloat16), torch.randn(3, 32, dtype=torch.bfloat16)
+    packed = torch.ops.pagoda_cpu.pack_linear_weight(weight)
+    short = torch.randn(63, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match=r"bias must be \[64\]"):
+        torch.ops.pagoda_cpu.bf16_linear(x, packed, 64, short)
+    with pytest.raises(RuntimeError, match=r"bias must be \[64\]"):
+        torch.ops.pagoda_cpu.bf16_silu_mul_linear(x, packed, 32, short)
+    q, scales = quantize_int8_per_channel(weight)
+    with pytest.raises(RuntimeError, match=r"bias must be \[64\]"):
+        torch.ops.pagoda_cpu.int8_linear(x, torch.ops.pagoda_cpu.pack_linear_weight(q), scales, 64, short)
+
+
 def test_gated_projection_needs_two_equal_parts() -> None:
     assert MergedLinear(8, [32, 32], bias=False, dtype=torch.bfloat16, gated=True).gated
     with pytest.raises(ValueError, match="two equal parts"):

@@ -20,7 +20,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = ("packed_linear.cpp", "fused_ops.cpp", "paged_attention.cpp")
+_SOURCES = ("packed_linear.cpp", "packed_linear_int8.cpp", "fused_ops.cpp", "paged_attention.cpp")
 
 
 def _build_dir() -> Path:
