@@ -27,7 +27,7 @@ constexpr int64_t kLanes = 16;             // float32 sums per 512-bit register
 constexpr int kNR = 4;                     // registers per tile row block
 constexpr int64_t kTile = kLanes * kNR;    // 64 output rows per tile
 constexpr int kMR = 6;                     // activation rows per pass: 24 accumulators
-constexpr int64_t kChunkPairs = 256;       // k pairs per pass when rows need several passes (L1-resident)
+constexpr int64_t kChunkPairs = 256;       // k pairs per pass when rows need several passes (64 KB of bf16: L2)
 constexpr int64_t kPrefetchPairs = 32;     // 8 KB ahead in the bf16 stream
 
 // Lines of the next weight chunk that one row pass pulls into L2 while it computes on the current one. With
