@@ -88,24 +88,44 @@ def test_native_bf16_kernel_matches_a_float32_product(shape: tuple[int, int], ro
     torch.testing.assert_close(got.float(), want, atol=1e-5 * float(want.abs().max()), rtol=2**-8)
 
 
+def _plain_and_gated(kind: str, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple:
+    if kind == "bf16":
+        return NativeBf16Linear.from_weight(weight, bias), NativeGatedBf16Linear.from_weight(weight, bias)
+    return Int8WeightOnlyLinear.from_weight(weight, bias), Int8WeightOnlyLinear.from_weight(weight, bias, gated=True)
+
+
 @needs_native_bf16
+@needs_native_int8
+@pytest.mark.parametrize("kind", ["bf16", "int8"])
 @pytest.mark.parametrize("in_features", [64, 99, 1024])
-@pytest.mark.parametrize("rows", [1, 7, 64, 200])
+@pytest.mark.parametrize("rows", [1, 7, 64, 200])  # int8 widens its tiles to bf16 from 192 rows
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_gated_kernel_is_silu_and_mul_over_the_plain_kernel_bit_for_bit(
-    in_features: int, rows: int, with_bias: bool
+def test_gated_kernels_are_silu_and_mul_over_the_plain_kernels_bit_for_bit(
+    kind: str, in_features: int, rows: int, with_bias: bool
 ) -> None:
     torch.manual_seed(rows + in_features)
     inter = 96
     weight = torch.randn(2 * inter, in_features, dtype=torch.bfloat16)  # [gate | up]
     bias = torch.randn(2 * inter, dtype=torch.bfloat16) if with_bias else None
     x = torch.randn(rows, in_features, dtype=torch.bfloat16)
-    plain, gated = NativeBf16Linear.from_weight(weight, bias), NativeGatedBf16Linear.from_weight(weight, bias)
+    plain, gated = _plain_and_gated(kind, weight, bias)
+    assert gated.name.endswith("-gated")
     assert torch.equal(gated.silu_and_mul(x), torch.ops.pagoda_cpu.silu_and_mul(plain(x)))
     # called as a plain linear it still returns [gate | up] in checkpoint order
     assert torch.equal(gated(x), plain(x))
     assert torch.equal(gated.float_output(x), plain.float_output(x))
     assert gated.silu_and_mul(x.view(1, rows, in_features)).shape == (1, rows, inter)
+
+
+@needs_native_bf16
+@needs_native_int8
+def test_gated_int8_leaves_other_activation_dtypes_to_the_separate_activation() -> None:
+    weight = torch.randn(128, 40)
+    gated = Int8WeightOnlyLinear.from_weight(weight, None, gated=True)
+    x = torch.randn(3, 40)
+    assert gated.silu_and_mul(x) is None  # the epilogue rounds to bf16: float32 rows take silu_and_mul(gated(x))
+    assert torch.equal(gated(x), Int8WeightOnlyLinear.from_weight(weight, None)(x))
+    assert not Int8WeightOnlyLinear.from_weight(torch.randn(96, 40), None, gated=True).gated  # 48 + 48: no whole tile
 
 
 @needs_native_bf16
@@ -119,8 +139,11 @@ def test_native_kernels_reject_a_bias_of_the_wrong_size() -> None:
     with pytest.raises(RuntimeError, match=r"bias must be \[64\]"):
         torch.ops.pagoda_cpu.bf16_silu_mul_linear(x, packed, 32, short)
     q, scales = quantize_int8_per_channel(weight)
+    packed_q = torch.ops.pagoda_cpu.pack_linear_weight(q)
     with pytest.raises(RuntimeError, match=r"bias must be \[64\]"):
-        torch.ops.pagoda_cpu.int8_linear(x, torch.ops.pagoda_cpu.pack_linear_weight(q), scales, 64, short)
+        torch.ops.pagoda_cpu.int8_linear(x, packed_q, scales, 64, short)
+    with pytest.raises(RuntimeError, match=r"bias must be \[64\]"):
+        torch.ops.pagoda_cpu.int8_silu_mul_linear(x, packed_q, scales, 32, short)
 
 
 def test_gated_projection_needs_two_equal_parts() -> None:
@@ -238,6 +261,10 @@ def test_prepare_packs_bf16_keeps_fp32_on_torch_and_quantizes_everything_for_int
         assert counts == {"onednn-packed": 9}
     int8 = load_model(model_dir, TorchAttentionBackend(), torch.float32)
     assert prepare_linear_layers(int8, torch.device("cpu"), torch.float32, "int8") == {"int8-weight-only": 9}
+    if native_linear_support(NATIVE_BF16) and native_linear_support(NATIVE_INT8):
+        int8_bf16 = load_model(model_dir, TorchAttentionBackend(), torch.bfloat16)
+        counts = prepare_linear_layers(int8_bf16, torch.device("cpu"), torch.bfloat16, "int8")
+        assert counts == {"int8-weight-only": 7, "int8-weight-only-gated": 2}
     linear = next(m for m in int8.modules() if isinstance(m, Linear))
     assert linear.weight.numel() == 0  # the plain weight is released once quantized
 

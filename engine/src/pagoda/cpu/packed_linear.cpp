@@ -14,7 +14,7 @@
 //   matches oneDNN's packed GEMM in compute-bound prefill and reads ~1.3x faster at batch 1.
 // - A gated [gate | up] weight (bf16_silu_mul_linear) is packed with each tile holding 32 gate rows and the
 //   matching 32 up rows; its epilogue writes silu(gate) * up.
-// - int8 weights (weight-only quantization, per-row scale): packed_linear_int8.cpp.
+// - int8 weights (weight-only quantization, per-row scale): packed_linear_int8.cpp, gated too.
 //
 // Tiles are split across ATen's thread pool, the pool every other op of the engine uses (packed_tiles.h).
 #include <ATen/ATen.h>
@@ -24,7 +24,6 @@
 #include <immintrin.h>
 
 #include "packed_tiles.h"
-#include "vec_math.h"
 
 namespace {
 
@@ -76,35 +75,14 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
 #endif
 }
 
-#ifdef PAGODA_BF16_DOT
-// y[m, 32 t + j] = bf16(silu(g) * u) with g, u = acc[m][j], acc[m][32 + j] (+ bias), each rounded to bf16 first:
-// exactly silu_and_mul over this GEMM's bf16 output. Tile t of a gated weight holds gate rows 32t .. 32t + 31
-// and then the same up rows, so the activation runs while the sums are in cache instead of as a second pass
-// over a [M, 2 * n] output (at 2048 prefill rows that output is 25 MB per layer and the pass ran at ~8 GB/s).
-inline void store_gated_tile(const float* acc, int64_t M, int64_t t, const float* bias, at::BFloat16* y, int64_t n) {
-  constexpr int64_t half = kTile / 2;
-  for (int64_t m = 0; m < M; ++m) {
-    for (int64_t j = 0; j < half; j += kLanes) {
-      __m512 g = _mm512_loadu_ps(acc + m * kTile + j), u = _mm512_loadu_ps(acc + m * kTile + half + j);
-      if (bias != nullptr) {
-        g = _mm512_add_ps(g, _mm512_loadu_ps(bias + t * kTile + j));
-        u = _mm512_add_ps(u, _mm512_loadu_ps(bias + t * kTile + half + j));
-      }
-      const __m512 h = pagoda_simd::silu_mul_bf16(pagoda_simd::round_bf16(g), pagoda_simd::round_bf16(u));
-      pagoda_simd::store_bf16(y + m * n + t * half + j, h);
-    }
-  }
-}
-#endif
-
 // silu(x W_gate^T + b_gate) * (x W_up^T + b_up) -> [..., n] for a packed gated weight (2n rows in the order
-// store_gated_tile reads; the bias, if any, in that order too), rounded like bf16_linear then silu_and_mul.
+// store_gated_tile reads, packed_tiles.h; the bias, if any, in that order too), rounded like bf16_linear then
+// silu_and_mul.
 at::Tensor bf16_silu_mul_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
                                 const std::optional<at::Tensor>& bias) {
 #ifdef PAGODA_BF16_DOT
-  check_packed(x, packed, 2 * n);
-  TORCH_CHECK(n % (kTile / 2) == 0 && packed.size(0) * kTile == 2 * n, "a gated weight holds 2n rows, n % 32 == 0");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16, "bf16_silu_mul_linear takes bf16");
+  check_gated(x, packed, n);
+  TORCH_CHECK(packed.scalar_type() == at::kBFloat16, "bf16_silu_mul_linear takes a bf16 packed weight");
   const int64_t pairs = packed.size(1);
   const auto x2 = padded_rows(x, pairs);
   const int64_t M = x2.size(0);
@@ -114,7 +92,7 @@ at::Tensor bf16_silu_mul_linear(const at::Tensor& x, const at::Tensor& packed, i
   at::BFloat16* yp = y.data_ptr<at::BFloat16>();
   run_tiles<Bf16Pass>(reinterpret_cast<const uint32_t*>(x2.data_ptr()), M, pairs, static_cast<const char*>(packed.data_ptr()),
                       pairs * kTile * 2 * 2, packed.size(0),
-                      [&](const float* acc, int64_t t) { store_gated_tile(acc, M, t, bp, yp, n); });
+                      [&](const float* acc, int64_t t) { store_gated_tile(acc, M, t, nullptr, nullptr, bp, yp, n); });
   return view_output(y, x, n);
 #else
   TORCH_CHECK(false, "bf16_silu_mul_linear needs AVX512-BF16, which this build lacks");

@@ -99,10 +99,10 @@ inline void widen_int8(const int8_t* q, int64_t count, uint32_t* out) {
   }
 }
 
-// y = (x @ q^T) * col_scale + bias for bf16 x: [M][pairs] bf16 pairs.
-template <typename out_t>
+// epilogue(acc, t) for every tile t of x . q^T with bf16 x: [M][pairs] bf16 pairs (unscaled sums).
+template <typename Epilogue>
 void int8_widened_tiles(const uint32_t* x, int64_t M, int64_t pairs, const int8_t* packed, int64_t tiles,
-                        const float* col_scale, const float* bias, out_t* y, int64_t N) {
+                        const Epilogue& epilogue) {
   at::parallel_for(0, tiles, 1, [&](int64_t t_begin, int64_t t_end) {
     std::vector<float> acc(M * kTile);
     std::vector<uint32_t> wide(kChunkPairs * kTile);
@@ -116,35 +116,26 @@ void int8_widened_tiles(const uint32_t* x, int64_t M, int64_t pairs, const int8_
                                        int64_t{0}, n_pairs, acc.data() + m0 * kTile, p0 == 0, Prefetch{});
         });
       }
-      store_tile<at::BFloat16>(acc.data(), M, t * kTile, col_scale, static_cast<const float*>(nullptr), bias, y, N);
+      epilogue(acc.data(), t);
     }
   });
 }
 #endif
 
-at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t N,
-                       const std::optional<at::Tensor>& bias, bool float_out) {
 #ifdef PAGODA_INT16_DOT
-  check_packed(x, packed, N);
-  TORCH_CHECK(packed.scalar_type() == at::kChar, "int8_linear takes an int8 packed weight");
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.numel() == N, "scales must be [N] float32");
-  const int64_t K = x.size(-1), pairs = packed.size(1);
-  auto s = scales.contiguous();
-  auto b = float_bias(bias, N);
-#if defined(PAGODA_BF16_DOT) && defined(PAGODA_INT16_DOT)
+// epilogue(acc, t, row_scale) for every tile t of x . q^T, x: [M, K] in any float dtype, acc: [M][kTile] sums
+// still to be scaled by the tile's column scales and by row_scale[m], which is nullptr where x is used as it is
+// (bf16 from kInt8WidenRows rows: widened tiles) and each row's 16-bit fixed-point step otherwise.
+template <typename Epilogue>
+void int8_tiles(const at::Tensor& x, const at::Tensor& packed, const Epilogue& epilogue) {
+  const int64_t K = x.size(-1), pairs = packed.size(1), tiles = packed.size(0);
+#if defined(PAGODA_BF16_DOT)
   if (x.scalar_type() == at::kBFloat16 && x.numel() / std::max<int64_t>(K, 1) >= kInt8WidenRows) {
     const auto xb = padded_rows(x, pairs);
-    auto y = output_like(x, N, xb.size(0), float_out);
-    const auto* xp = reinterpret_cast<const uint32_t*>(xb.data_ptr());
-    const auto* wp = static_cast<const int8_t*>(packed.data_ptr());
-    const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
-    if (float_out) {
-      int8_widened_tiles(xp, xb.size(0), pairs, wp, packed.size(0), s.data_ptr<float>(), bp, y.data_ptr<float>(), N);
-    } else {
-      int8_widened_tiles(xp, xb.size(0), pairs, wp, packed.size(0), s.data_ptr<float>(), bp,
-                         y.data_ptr<at::BFloat16>(), N);
-    }
-    return view_output(y, x, N);
+    int8_widened_tiles(reinterpret_cast<const uint32_t*>(xb.data_ptr()), xb.size(0), pairs,
+                       static_cast<const int8_t*>(packed.data_ptr()), tiles,
+                       [&](const float* acc, int64_t t) { epilogue(acc, t, static_cast<const float*>(nullptr)); });
+    return;
   }
 #endif
   auto x2 = x.reshape({-1, K}).to(at::kFloat).contiguous();  // [M, K] fp32 (a few KB at decode)
@@ -152,15 +143,32 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   auto a = at::empty({M, pairs * 2}, x.options().dtype(at::kShort));
   auto row_scale = at::empty({M}, x.options().dtype(at::kFloat));
   quantize_rows(x2.data_ptr<float>(), M, K, pairs * 2, a.data_ptr<int16_t>(), row_scale.data_ptr<float>());
+  const float* rs = row_scale.data_ptr<float>();
+  run_tiles<Int8Pass>(reinterpret_cast<const uint32_t*>(a.data_ptr()), M, pairs,
+                      static_cast<const char*>(packed.data_ptr()), pairs * kTile * 2, tiles,
+                      [&](const float* acc, int64_t t) { epilogue(acc, t, rs); });
+}
+
+void check_int8(const at::Tensor& packed, const at::Tensor& scales, int64_t N) {
+  TORCH_CHECK(packed.scalar_type() == at::kChar, "the int8 kernels take an int8 packed weight");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.numel() == N, "scales must be [N] float32");
+}
+#endif
+
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t N,
+                       const std::optional<at::Tensor>& bias, bool float_out) {
+#ifdef PAGODA_INT16_DOT
+  check_packed(x, packed, N);
+  check_int8(packed, scales, N);
+  const auto s = scales.contiguous();
+  const auto b = float_bias(bias, N);
+  const int64_t M = x.numel() / std::max<int64_t>(x.size(-1), 1);
   auto y = output_like(x, N, M, float_out);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "int8_linear", [&] {
-    const auto* ap = reinterpret_cast<const uint32_t*>(a.data_ptr());
-    const auto* wp = static_cast<const char*>(packed.data_ptr());
-    const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
     const float* cs = s.data_ptr<float>();
-    const float* rs = row_scale.data_ptr<float>();
+    const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
     auto run = [&](auto* yp) {
-      run_tiles<Int8Pass>(ap, M, pairs, wp, pairs * kTile * 2, packed.size(0), [&](const float* acc, int64_t t) {
+      int8_tiles(x, packed, [&](const float* acc, int64_t t, const float* rs) {
         store_tile<scalar_t>(acc, M, t * kTile, cs, rs, bp, yp, N);
       });
     };
@@ -176,10 +184,35 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
 #endif
 }
 
+// silu(gate) * up -> [..., n] for a gated int8 weight (packed, scales and bias in store_gated_tile's tile order),
+// rounded like int8_linear then silu_and_mul; bf16 activations.
+at::Tensor int8_silu_mul_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t n,
+                                const std::optional<at::Tensor>& bias) {
+#if defined(PAGODA_INT16_DOT) && defined(PAGODA_BF16_DOT)
+  check_gated(x, packed, n);
+  check_int8(packed, scales, 2 * n);
+  const auto s = scales.contiguous();
+  const auto b = float_bias(bias, 2 * n);
+  const int64_t M = x.numel() / std::max<int64_t>(x.size(-1), 1);
+  auto y = at::empty({M, n}, x.options());
+  const float* cs = s.data_ptr<float>();
+  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+  at::BFloat16* yp = y.data_ptr<at::BFloat16>();
+  int8_tiles(x, packed, [&](const float* acc, int64_t t, const float* rs) { store_gated_tile(acc, M, t, cs, rs, bp, yp, n); });
+  return view_output(y, x, n);
+#else
+  TORCH_CHECK(false, "int8_silu_mul_linear needs AVX512-VNNI and AVX512-BF16, which this build lacks");
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pagoda_cpu, m) {
   m.def("int8_linear(Tensor x, Tensor packed, Tensor scales, int n, Tensor? bias, bool float_out=False) -> Tensor");
+  m.def("int8_silu_mul_linear(Tensor x, Tensor packed, Tensor scales, int n, Tensor? bias) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(pagoda_cpu, CPU, m) { m.impl("int8_linear", &int8_linear); }
+TORCH_LIBRARY_IMPL(pagoda_cpu, CPU, m) {
+  m.impl("int8_linear", &int8_linear);
+  m.impl("int8_silu_mul_linear", &int8_silu_mul_linear);
+}

@@ -105,7 +105,7 @@ class MergedLinear(Linear):
         self.gated = gated
 
     def forward_silu_and_mul(self, x: torch.Tensor) -> Optional[torch.Tensor]:
-        """``silu(gate) * up`` in one pass when the kernel has that epilogue (see
+        """``silu(gate) * up`` in one pass when the kernel has that epilogue for ``x`` (see
         :class:`~pagoda.layers.linear_kernels.NativeGatedBf16Linear`); None otherwise."""
         fused = getattr(self.kernel, "silu_and_mul", None) if self.gated else None
         return None if fused is None else fused(x)  # x: [num_tokens, in] -> [num_tokens, intermediate]

@@ -17,7 +17,8 @@ layer's weight with a kernel object:
   reorder).
 - :class:`Int8WeightOnlyLinear` (``--quantization int8``): symmetric per-output-channel int8
   weights, bf16/fp32 activations, ``y = (x @ q^T) * scale``: half the bytes of bf16 per token,
-  read by the native AVX-512 kernel at decode batch sizes.
+  read by the native AVX-512 kernel at decode batch sizes; gated [gate | up] layers get the same
+  SiLU epilogue as the bf16 kernel.
 
 fp32 on the CPU keeps ``F.linear`` (MKL's sgemm, which oneDNN's packed path does not reproduce
 bit for bit), and so does every dtype on CUDA, where cuBLAS needs no help.
@@ -95,14 +96,33 @@ class NativeBf16Linear:
         return torch.ops.pagoda_cpu.bf16_linear(x, self.packed, self.out_features, self.bias, True)
 
 
-_GATED_TILE_ROWS = 32  # gate rows per tile of the native kernel (the other 32 of its 64 are the matching up rows)
+_GATED_TILE_ROWS = 32  # gate rows per tile of the native kernels (the other 32 of its 64 are the matching up rows)
+
+
+def gated_tiles_fit(out_features: int) -> bool:
+    """Whether a [gate | up] projection of ``out_features`` rows splits into whole gated tiles."""
+    return out_features % (2 * _GATED_TILE_ROWS) == 0
+
+
+def gated_tile_order(out_features: int) -> torch.Tensor:
+    """Row i of a gated packed weight is row ``gated_tile_order(out)[i]`` of [gate | up]: each 64-row tile holds
+    gate rows 32t..32t+31 and then the same up rows."""
+    inter = out_features // 2
+    return torch.arange(out_features).view(2, inter // _GATED_TILE_ROWS, _GATED_TILE_ROWS).transpose(0, 1).reshape(-1)
+
+
+def untile_gated(y: torch.Tensor, out_features: int) -> torch.Tensor:
+    """[..., out] columns in gated tile order -> [gate | up] (a copy)."""
+    lead = y.shape[:-1]
+    tiles = out_features // (2 * _GATED_TILE_ROWS)
+    return y.reshape(-1, tiles, 2, _GATED_TILE_ROWS).transpose(1, 2).reshape(*lead, out_features)
 
 
 @dataclass(slots=True)
 class NativeGatedBf16Linear:
-    """A [gate | up] bf16 weight in the native tile layout with each tile holding gate rows 32t..32t+31 and the
-    same up rows: :meth:`silu_and_mul` writes ``silu(gate) * up`` from the GEMM's epilogue, bit-identical to
-    ``silu_and_mul`` over :class:`NativeBf16Linear`'s output.
+    """A [gate | up] bf16 weight in the native tile layout, rows in :func:`gated_tile_order`: :meth:`silu_and_mul`
+    writes ``silu(gate) * up`` from the GEMM's epilogue, bit-identical to ``silu_and_mul`` over
+    :class:`NativeBf16Linear`'s output.
     """
 
     packed: torch.Tensor  # [2 * intermediate / 64, ceil(in/2), 64, 2]
@@ -111,22 +131,10 @@ class NativeGatedBf16Linear:
     name: str = "native-bf16-gated"
 
     @staticmethod
-    def supports(out_features: int) -> bool:
-        return out_features % (2 * _GATED_TILE_ROWS) == 0
-
-    @staticmethod
-    def tile_order(out_features: int) -> torch.Tensor:
-        """Row i of the packed weight is row tile_order[i] of [gate | up]."""
-        inter = out_features // 2
-        return (
-            torch.arange(out_features).view(2, inter // _GATED_TILE_ROWS, _GATED_TILE_ROWS).transpose(0, 1).reshape(-1)
-        )
-
-    @staticmethod
     def from_weight(weight: torch.Tensor, bias: Optional[torch.Tensor]) -> NativeGatedBf16Linear:
         assert native_linear_support(NATIVE_BF16), "the native bf16 kernel is not built for this machine"
-        assert NativeGatedBf16Linear.supports(weight.shape[0]), weight.shape
-        order = NativeGatedBf16Linear.tile_order(weight.shape[0])
+        assert gated_tiles_fit(weight.shape[0]), weight.shape
+        order = gated_tile_order(weight.shape[0])
         packed = torch.ops.pagoda_cpu.pack_linear_weight(weight.detach()[order])
         return NativeGatedBf16Linear(packed, weight.shape[0], None if bias is None else bias[order].contiguous())
 
@@ -135,15 +143,11 @@ class NativeGatedBf16Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., in] -> [..., out], [gate | up] as stored
         tiled = torch.ops.pagoda_cpu.bf16_linear(x, self.packed, self.out_features, self.bias)
-        return self._untile(tiled)
+        return untile_gated(tiled, self.out_features)
 
     def float_output(self, x: torch.Tensor) -> torch.Tensor:
-        return self._untile(torch.ops.pagoda_cpu.bf16_linear(x, self.packed, self.out_features, self.bias, True))
-
-    def _untile(self, y: torch.Tensor) -> torch.Tensor:  # columns in tile order -> [gate | up]
-        lead = y.shape[:-1]
-        tiles = self.out_features // (2 * _GATED_TILE_ROWS)
-        return y.reshape(-1, tiles, 2, _GATED_TILE_ROWS).transpose(1, 2).reshape(*lead, self.out_features)
+        tiled = torch.ops.pagoda_cpu.bf16_linear(x, self.packed, self.out_features, self.bias, True)
+        return untile_gated(tiled, self.out_features)
 
 
 @dataclass(slots=True)
@@ -153,22 +157,33 @@ class Int8WeightOnlyLinear:
     Activations are never quantized to 8 bits: the native kernel holds each activation row as 16-bit
     fixed point with its own scale (finer than bf16's mantissa near the row's maximum), so a
     request's result does not depend on the rest of its batch.
+
+    A gated [gate | up] layer (bf16 models) stores its rows, scales and bias in :func:`gated_tile_order`, and
+    :meth:`silu_and_mul` runs ``silu(gate) * up`` in the kernel's epilogue, as :class:`NativeGatedBf16Linear` does.
     """
 
     qweight: torch.Tensor  # native: tile layout [ceil(out/64), ceil(in/2), 64, 2]; else [out, in]; int8
-    scales: torch.Tensor  # [out] float32
-    bias: Optional[torch.Tensor]  # [out]
+    scales: torch.Tensor  # [out] float32 (tile order when gated)
+    bias: Optional[torch.Tensor]  # [out] (tile order when gated)
     native: bool  # qweight is in the native kernel's layout and that kernel serves small batches
     in_features: int
+    gated: bool = False
     name: str = "int8-weight-only"
 
     @staticmethod
-    def from_weight(weight: torch.Tensor, bias: Optional[torch.Tensor]) -> Int8WeightOnlyLinear:
-        qweight, scales = quantize_int8_per_channel(weight)
+    def from_weight(weight: torch.Tensor, bias: Optional[torch.Tensor], gated: bool = False) -> Int8WeightOnlyLinear:
+        """Quantize ``weight`` [out, in]; ``gated``: a [gate | up] weight that may get the fused epilogue."""
+        qweight, scales = quantize_int8_per_channel(weight)  # per row, so permuting rows later commutes with it
         native = native_linear_support(NATIVE_INT8)
+        gated = gated and native and native_linear_support(NATIVE_BF16) and gated_tiles_fit(weight.shape[0])
+        if gated:
+            order = gated_tile_order(weight.shape[0])
+            qweight, scales = qweight[order], scales[order].contiguous()
+            bias = None if bias is None else bias[order].contiguous()
         if native:
             qweight = torch.ops.pagoda_cpu.pack_linear_weight(qweight)
-        return Int8WeightOnlyLinear(qweight, scales, bias, native, weight.shape[1])
+        name = "int8-weight-only-gated" if gated else "int8-weight-only"
+        return Int8WeightOnlyLinear(qweight, scales, bias, native, weight.shape[1], gated, name)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., in] -> [..., out]
         return self._forward(x, float_out=False)
@@ -176,20 +191,28 @@ class Int8WeightOnlyLinear:
     def float_output(self, x: torch.Tensor) -> torch.Tensor:  # self(x).float(), in one pass on the native kernel
         return self._forward(x, float_out=True)
 
+    def silu_and_mul(self, x: torch.Tensor) -> Optional[torch.Tensor]:
+        """``silu(gate) * up`` [..., intermediate] from the epilogue (bf16 x); None where the layer is not gated."""
+        if not self.gated or x.dtype != torch.bfloat16:
+            return None
+        n = self.scales.shape[0] // 2
+        return torch.ops.pagoda_cpu.int8_silu_mul_linear(x, self.qweight, self.scales, n, self.bias)
+
     def _forward(self, x: torch.Tensor, float_out: bool) -> torch.Tensor:
         out_features = self.scales.shape[0]
         if self.native:
             # Every batch size: float32/fp16 activations take the 16-bit fixed-point path at 2.7-27x the speed of
             # a dequantized MKL GEMM (1-512 rows, 2-core Zen 4; 2x a cached float32 weight's at 2048 rows). bf16
             # activations from 192 rows on widen each weight chunk to bf16 in cache (exact for |q| <= 127).
-            return torch.ops.pagoda_cpu.int8_linear(x, self.qweight, self.scales, out_features, self.bias, float_out)
+            y = torch.ops.pagoda_cpu.int8_linear(x, self.qweight, self.scales, out_features, self.bias, float_out)
+            return untile_gated(y, out_features) if self.gated else y
         # no AVX512-VNNI: dequantized GEMM, x @ q^T in the activation dtype, then the per-column scale
         y = torch.nn.functional.linear(x, self.dense_qweight().to(x.dtype)) * self.scales.to(x.dtype)
         y = y if self.bias is None else y + self.bias
         return y.float() if float_out else y
 
     def dense_qweight(self) -> torch.Tensor:
-        """The int8 weight as [out, in] (a copy when it is stored in the native layout)."""
+        """The int8 weight as [out, in] in the order of ``scales`` (a copy when it is stored in the native layout)."""
         if not self.native:
             return self.qweight
         return torch.ops.pagoda_cpu.unpack_linear_weight(self.qweight, self.scales.shape[0], self.in_features)
@@ -252,9 +275,9 @@ def _kernel_for(
     layer: Linear, pack: bool, native_bf16: bool, quantization: Optional[str], gated: bool
 ) -> Optional[NativeBf16Linear | NativeGatedBf16Linear | PackedLinear | Int8WeightOnlyLinear]:
     bias = None if layer.bias is None else layer.bias.detach()
-    if quantization == "int8":
-        return Int8WeightOnlyLinear.from_weight(layer.weight, bias)
-    if native_bf16 and gated and NativeGatedBf16Linear.supports(layer.out_features):
+    if quantization == "int8":  # the fused epilogue takes bf16 activations: other dtypes keep checkpoint order
+        return Int8WeightOnlyLinear.from_weight(layer.weight, bias, gated and layer.weight.dtype == torch.bfloat16)
+    if native_bf16 and gated and gated_tiles_fit(layer.out_features):
         return NativeGatedBf16Linear.from_weight(layer.weight, bias)
     if native_bf16:
         return NativeBf16Linear.from_weight(layer.weight, bias)
