@@ -210,17 +210,22 @@ inline void pair_values(const at::BFloat16* const* v_rows, int64_t n, int64_t di
 // registers: eight independent dot-product chains keep vdpbf16ps busy. Row r's scores row then starts with
 // kKvChunk / 2 bf16 probability pairs, and rows.correction[r] holds the factor its acc still has to be
 // rescaled by (value_block applies it as it loads acc). A separate softmax pass over stored scores, and its
-// rescale of acc, took ~18% of prefill attention.
+// rescale of acc, took ~18% of prefill attention. q_rows[r]: row r's query as dim / 2 bf16 pairs, in place in q.
 template <int RB>
-inline void score_rows(Rows& rows, const uint32_t* qb, const uint32_t* kt, int64_t r0, int64_t c0, float scale) {
+inline void score_rows(Rows& rows, const uint32_t* const* q_rows, const uint32_t* kt, int64_t r0, int64_t c0,
+                       float scale) {
   const int64_t pairs = rows.dim / 2;
   __m512 s[RB][2];
-  for (int i = 0; i < RB; ++i) s[i][0] = s[i][1] = _mm512_setzero_ps();
+  const uint32_t* q[RB];
+  for (int i = 0; i < RB; ++i) {
+    s[i][0] = s[i][1] = _mm512_setzero_ps();
+    q[i] = q_rows[r0 + i];
+  }
   for (int64_t p = 0; p < pairs; ++p) {
     const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kt + p * kKvChunk);
     const __m512bh k1 = (__m512bh)_mm512_loadu_si512(kt + p * kKvChunk + 16);
     for (int i = 0; i < RB; ++i) {
-      const __m512bh qv = (__m512bh)_mm512_set1_epi32(static_cast<int>(qb[(r0 + i) * pairs + p]));
+      const __m512bh qv = (__m512bh)_mm512_set1_epi32(static_cast<int>(q[i][p]));
       s[i][0] = _mm512_dpbf16_ps(s[i][0], qv, k0);
       s[i][1] = _mm512_dpbf16_ps(s[i][1], qv, k1);
     }
@@ -257,10 +262,10 @@ inline void score_rows(Rows& rows, const uint32_t* qb, const uint32_t* kt, int64
 }
 
 // Every row's chunk stage before the V sums (see score_rows).
-inline void scores_bf16(Rows& rows, const uint32_t* qb, const uint32_t* kt, int64_t c0, float scale) {
+inline void scores_bf16(Rows& rows, const uint32_t* const* q_rows, const uint32_t* kt, int64_t c0, float scale) {
   int64_t r = 0;
-  for (; r + 4 <= rows.count; r += 4) score_rows<4>(rows, qb, kt, r, c0, scale);
-  for (; r < rows.count; ++r) score_rows<1>(rows, qb, kt, r, c0, scale);
+  for (; r + 4 <= rows.count; r += 4) score_rows<4>(rows, q_rows, kt, r, c0, scale);
+  for (; r < rows.count; ++r) score_rows<1>(rows, q_rows, kt, r, c0, scale);
 }
 
 // acc[r0 + i][16 (g0 + g) ...] += sum_j pairs_r[j] . vp[j] for RB rows and G groups of 16 dims, the sums in
