@@ -225,7 +225,7 @@ void attend(const Task& task, const T* q, const T* key_cache, const T* value_cac
 #endif
 
 // Decode requests: tasks of a group of KV heads, as many heads as still leaves ~4 tasks per thread.
-// Prefill chunks: one task per KV head and tile of kQueryTile query tokens, the tiles of a head last first.
+// Prefill chunks: one task per KV head and tile of kQueryTile query tokens, a head's last (longest) tile first.
 // Also checks that every block a request reads indexes the cache (a plain loop over the used entries: two ATen
 // reductions over the whole table cost more than that on every layer).
 std::vector<Task> build_tasks(const int64_t* start_p, const int64_t* len_p, const int64_t* tables, int64_t num_reqs,
@@ -321,7 +321,7 @@ at::Tensor paged_attention(const at::Tensor& q, at::Tensor& key_cache, at::Tenso
     scalar_t* op = out.data_ptr<scalar_t>();
     const int64_t* tp = tables.data_ptr<int64_t>();
     // Threads claim tasks one at a time instead of splitting the list in two: with a static split one thread
-    // waited for the other at the end of every call (~5% of prefill attention in gomp's barrier). Each thread
+    // waited for the other at the end of every call (3-5% of prefill attention in gomp's barrier). Each thread
     // claims its next task before running the current one, so that task's first K rows load meanwhile.
     const int64_t num_tasks = static_cast<int64_t>(tasks.size());
     std::atomic<int64_t> next{0};
