@@ -137,14 +137,25 @@ class ServerProcess:
                 self.process.wait()
 
 
-async def start_server(spec: ModelSpec, bench_dir: Path, timeout: float = 300) -> ServerProcess:
-    """Start `pagoda serve` on a free loopback port and wait until ``/ready`` answers 200."""
+async def start_server(
+    spec: ModelSpec,
+    bench_dir: Path,
+    timeout: float = 300,
+    extra_args: tuple[str, ...] = (),
+    engine_src: Optional[Path] = None,
+    name: str = "serve_bench",
+) -> ServerProcess:
+    """Start `pagoda serve` on a free loopback port and wait until ``/ready`` answers 200.
+
+    ``engine_src`` is the ``engine/src`` folder whose code runs (default: this checkout's), so that another
+    revision of the engine can be measured by the same client in the same session."""
     port = free_port()
-    log_path = bench_dir / f"serve_bench_{spec.key}.log"
-    command = [sys.executable, "-m", "pagoda.cli", "serve", *spec.serve_args]
+    log_path = bench_dir / f"{name}_{spec.key}.log"
+    command = [sys.executable, "-m", "pagoda.cli", "serve", *spec.serve_args, *extra_args]
     command += ["--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT / "engine" / "src"), env.get("PYTHONPATH")]))
+    src = engine_src or REPO_ROOT / "engine" / "src"
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(src), env.get("PYTHONPATH")]))
     log(f"{spec.key}: starting {' '.join(command[1:])} (log: {log_path})")
     with open(log_path, "w") as log_file:
         process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT)
@@ -260,7 +271,7 @@ async def bench_model(spec: ModelSpec, args: argparse.Namespace) -> dict:
     if args.base_url is None:
         if spec.key == "qwen3":
             ensure_qwen3_shape_checkpoint(args.bench_dir / "qwen3-0.6b-shape")
-        server = await start_server(spec, args.bench_dir)
+        server = await start_server(spec, args.bench_dir, extra_args=tuple(args.serve_arg), engine_src=args.engine_src)
     base_url = server.base_url if server else args.base_url
     try:
         connector = aiohttp.TCPConnector(limit=0)
@@ -329,6 +340,14 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--skip-prefix", action="store_true", help="skip the prefix-sharing workload")
     parser.add_argument("--seed", type=int, default=0, help="workload seed")
     parser.add_argument("--bench-dir", type=Path, default=REPO_ROOT / ".bench", help="checkpoint, logs and JSON")
+    parser.add_argument(
+        "--serve-arg", action="append", default=[], help="an extra `pagoda serve` flag (repeatable; '=' form)"
+    )
+    parser.add_argument(
+        "--engine-src",
+        type=Path,
+        help="engine/src of another checkout to serve (default: this one's), for before/after",
+    )
     args = parser.parse_args(argv)
     try:
         args.models = [m.strip() for m in args.models.split(",") if m.strip()]

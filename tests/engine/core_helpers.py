@@ -63,3 +63,5 @@ def check_invariants(scheduler: Scheduler) -> None:
     for request in scheduler.running:
         assert request.num_computed_tokens <= request.num_tokens
     assert set(kv.req_blocks) <= {r.request_id for r in scheduler.running}
+    # the waiting-sequence counter that admission control reads from other threads
+    assert scheduler.num_waiting_seqs == sum(r.sampling_params.n if r.needs_fork else 1 for r in scheduler.waiting)

@@ -34,6 +34,13 @@ def free_port() -> int:
 class Server:
     process: subprocess.Popen
     port: int
+    log_path: Optional[str] = None  # where its output goes, when not to a pipe
+
+    def log(self) -> str:
+        """Everything the server has logged so far (servers started with ``log_path``)."""
+        assert self.log_path is not None, "start the server with log_path to read its log while it runs"
+        with open(self.log_path, encoding="utf-8", errors="replace") as f:
+            return f.read()
 
     @property
     def base_url(self) -> str:
@@ -81,19 +88,28 @@ class Server:
         return self.process.wait(timeout)
 
 
-def start_server(*args: str, wait_ready: bool = True) -> Server:
+def start_server(
+    *args: str, wait_ready: bool = True, log_path: Optional[str] = None, program: tuple[str, ...] = ("-m", "pagoda.cli")
+) -> Server:
+    """``pagoda serve ARGS`` on a free port (``--log-level warning`` unless ARGS set one), ready.
+
+    ``program`` replaces ``-m pagoda.cli`` (a script that injects a fault, say); its output goes to a pipe, or
+    to ``log_path`` so that tests can read it while the server runs."""
     port = free_port()
+    level = () if "--log-level" in args else ("--log-level", "warning")
+    output = open(log_path, "w") if log_path is not None else subprocess.PIPE  # noqa: SIM115 (the child owns it)
     process = subprocess.Popen(
-        [sys.executable, "-m", "pagoda.cli", "serve", "--port", str(port), "--log-level", "warning", *args],
-        stdout=subprocess.PIPE,
+        [sys.executable, *program, "serve", "--port", str(port), *level, *args],
+        stdout=output,
         stderr=subprocess.STDOUT,
         text=True,
     )
-    server = Server(process, port)
+    server = Server(process, port, log_path)
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise RuntimeError(f"pagoda serve exited with {process.returncode}: {process.stdout.read()}")
+            output = server.log() if log_path is not None else process.stdout.read()
+            raise RuntimeError(f"pagoda serve exited with {process.returncode}: {output}")
         try:
             status, _, _ = server.request("GET", "/ready" if wait_ready else "/health")
             if status == 200:

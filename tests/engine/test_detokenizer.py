@@ -96,6 +96,58 @@ def test_special_tokens_follow_skip_special_tokens(tokenizer, skip_special_token
     assert ("</s>" in detok.output_text) is not skip_special_tokens
 
 
+# --- linear work on runs that never form a character ------------------------------------------
+
+
+class CountingTokenizer:
+    """The real tokenizer, counting how many token ids every decode call is given."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.decoded = 0
+
+    def decode(self, token_ids, **kwargs) -> str:
+        self.decoded += len(token_ids)
+        return self.tokenizer.decode(token_ids, **kwargs)
+
+
+def decode_work(tokenizer, output: list[int], params: SamplingParams) -> tuple[int, str]:
+    counting = CountingTokenizer(tokenizer)
+    detok = IncrementalDetokenizer(counting, [BOS], params)
+    for token_id in output:
+        detok.update([token_id])
+    return counting.decoded, detok.output_text
+
+
+@pytest.mark.parametrize(
+    ("token", "params"),
+    [
+        (FIRST_BYTE_TOKEN + 0x80, SamplingParams()),  # <0x80>: a continuation byte with no start, never valid
+        (FIRST_BYTE_TOKEN + 0xE4, SamplingParams()),  # <0xE4>: a start byte that is never continued
+        (EOS, SamplingParams(skip_special_tokens=True)),  # tokens that add no text at all
+    ],
+)
+def test_decoding_stays_linear_on_runs_that_never_complete_a_character(tokenizer, token: int, params) -> None:
+    short, _ = decode_work(tokenizer, [token] * 200, params)
+    long, text = decode_work(tokenizer, [token] * 2000, params)
+    # Ten times the tokens, about ten times the work (a quadratic window would be about a hundred times).
+    assert long < 12 * short, (short, long)
+    assert long < 40 * 2000
+    if token != EOS:
+        assert text.count("\ufffd") >= 2000 - 8  # invalid bytes come out as U+FFFD, all but the held-back tail
+
+
+def test_valid_characters_after_an_invalid_run_still_decode_whole(tokenizer) -> None:
+    # (The tokenizer turns a whole run of byte tokens into U+FFFD when any of it is invalid, so the valid text
+    # starts after a plain token.)
+    ids = [FIRST_BYTE_TOKEN + 0x80] * 20 + encode(tokenizer, "Once 日本 🙂 ok")
+    detok = IncrementalDetokenizer(tokenizer, [BOS], SamplingParams())
+    texts = stream(detok, ids)
+    assert all(later.startswith(earlier) for earlier, later in zip(texts, texts[1:]))
+    assert detok.output_text.endswith("Once 日本 🙂 ok")
+    assert detok.output_text == tokenizer.decode(ids, skip_special_tokens=True)
+
+
 # --- stop strings ---------------------------------------------------------------------------
 
 

@@ -151,11 +151,19 @@ def test_max_tokens_below_one_is_400_naming_it(app: FastAPI) -> None:
     assert_openai_error(post_json(app, "/v1/completions", {"prompt": "a", "max_tokens": 0}), 400, "max_tokens")
 
 
-def test_sampling_params_rejection_is_400_naming_the_field(app: FastAPI) -> None:
+def test_out_of_bounds_value_is_400_naming_the_field(app: FastAPI) -> None:
     error = assert_openai_error(
         post_json(app, "/v1/completions", {"prompt": "a", "temperature": -1}), 400, "temperature"
     )
-    assert "non-negative" in error["message"]
+    assert "greater than or equal to 0" in error["message"]
+
+
+def test_sampling_params_rejection_is_400_naming_the_field(app: FastAPI) -> None:
+    # a rule between two fields, which only SamplingParams checks
+    error = assert_openai_error(
+        post_json(app, "/v1/completions", {"prompt": "a", "min_tokens": 10, "max_tokens": 5}), 400, "min_tokens"
+    )
+    assert "must not exceed max_tokens" in error["message"]
 
 
 def test_unsupported_feature_is_400_with_its_message(app: FastAPI) -> None:

@@ -117,7 +117,8 @@ def test_top_logprobs_requires_logprobs() -> None:
         (CompletionRequest, {"prompt": "a", "stop": ["x", 1]}, "stop"),
         (CompletionRequest, {"prompt": "a", "stream_options": {"include_usage": True}}, "stream_options"),
         (ChatCompletionRequest, {"messages": []}, "messages"),
-        (ChatCompletionRequest, {"messages": [{"content": "no role"}]}, "messages"),
+        (ChatCompletionRequest, {"messages": [{"content": "no role"}]}, "messages.0.role"),
+        (ChatCompletionRequest, {"messages": [{"role": 1, "content": "x"}]}, "messages.0.role"),
         (ChatCompletionRequest, {"messages": MESSAGES, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         (ChatCompletionRequest, {"messages": MESSAGES, "max_completion_tokens": 0}, "max_completion_tokens"),
         (TokenizeRequest, {}, "messages"),
@@ -260,9 +261,40 @@ def test_stream_uses_delta_outputs(model: type) -> None:
     ],
 )
 def test_out_of_range_sampling_values_are_400_naming_the_field(fields: dict[str, Any], param: str) -> None:
-    with pytest.raises(OpenAIError) as info:
-        CompletionRequest(prompt="a", **fields).to_sampling_params(None, {})
-    assert (info.value.status_code, info.value.param) == (400, param)
+    # Bounds are schema constraints (so /openapi.json states them); rules between fields are SamplingParams'.
+    try:
+        request = CompletionRequest.model_validate({"prompt": "a", **fields})
+    except ValidationError as exc:
+        error = validation_error(exc.errors())
+    else:
+        with pytest.raises(OpenAIError) as info:
+            request.to_sampling_params(None, {})
+        error = info.value
+    assert error.status_code == 400 and error.param.startswith(param)
+
+
+@pytest.mark.parametrize(
+    ("model", "payload", "param"),
+    [
+        (CompletionRequest, {"prompt": "a", "echo": 0}, "echo"),
+        (CompletionRequest, {"prompt": "a", "stream": "true"}, "stream"),
+        (CompletionRequest, {"prompt": "a", "max_tokens": 5.5}, "max_tokens"),
+        (CompletionRequest, {"prompt": "a", "max_tokens": "5"}, "max_tokens"),
+        (CompletionRequest, {"prompt": "a", "temperature": "0.5"}, "temperature"),
+        (CompletionRequest, {"prompt": [True, 1]}, "prompt"),
+        (CompletionRequest, {"prompt": "a", "stop_token_ids": [False]}, "stop_token_ids.0"),
+        (DetokenizeRequest, {"tokens": [False]}, "tokens.0"),
+        (ChatCompletionRequest, {"messages": MESSAGES, "logprobs": 1}, "logprobs"),
+    ],
+)
+def test_types_are_strict_as_openai_s_are(model: type, payload: dict[str, Any], param: str) -> None:
+    assert rejection(model, payload)["param"] == param
+
+
+def test_numbers_follow_json_schema() -> None:
+    # JSON Schema's "integer" includes 5.0, and "number" includes 1: both as the served document says.
+    request = CompletionRequest.model_validate({"prompt": [1.0, 2], "temperature": 1, "max_tokens": 5.0})
+    assert (request.temperature, request.max_tokens, request.prompts()) == (1.0, 5, [[1, 2]])
 
 
 def test_invalid_generation_default_is_reported_too() -> None:

@@ -1,5 +1,6 @@
 """The sampler on crafted logits: each knob's semantics, logprobs, and batch independence."""
 
+import math
 from collections import Counter
 from typing import Optional
 
@@ -8,7 +9,14 @@ import torch
 
 from pagoda.sampling_params import SamplingParams
 from pagoda.worker import logits_processing
-from pagoda.worker.sampler import Sampler, SamplingRow, compute_prompt_logprobs, validate_for_vocab
+from pagoda.worker.sampler import (
+    NO_TOKEN_LEFT,
+    NON_FINITE_LOGITS,
+    Sampler,
+    SamplingRow,
+    compute_prompt_logprobs,
+    validate_for_vocab,
+)
 
 sampler = Sampler()
 
@@ -175,6 +183,64 @@ def test_min_tokens_masks_eos_and_stop_ids_until_reached() -> None:
     assert sampler(logits, [make_row(params, output=(3, 3), stop_ids=eos_and_stop)]).token_ids == [2]
     rows = [make_row(SamplingParams(min_tokens=1), seed=i, stop_ids=eos_and_stop) for i in range(300)]
     assert not {2, 5} & set(sampler(logits.expand(300, -1), rows).token_ids)
+
+
+def test_penalty_counts_kept_incrementally_equal_counts_taken_afresh() -> None:
+    # A sequence grows over 30 steps; the kept counts must penalise exactly as counting from scratch does.
+    rng = torch.Generator().manual_seed(7)
+    vocab = 40
+    params = SamplingParams(repetition_penalty=1.7, presence_penalty=0.4, frequency_penalty=0.3)
+    prompt = torch.randint(0, vocab, (25,), generator=rng).tolist()
+    output: list[int] = []
+    kept = logits_processing.PenaltyCounts(prompt, vocab, torch.device("cpu"), with_prompt=True)
+    for _ in range(30):
+        logits = torch.randn(1, vocab, generator=rng)
+        incremental = SamplingRow(params, None, prompt, output, frozenset(), penalty_counts=kept)
+        fresh = SamplingRow(params, None, prompt, list(output), frozenset())
+        a = logits_processing.apply_penalties(logits.clone(), [incremental])
+        b = logits_processing.apply_penalties(logits.clone(), [fresh])
+        assert torch.equal(a, b)
+        output.extend(torch.randint(0, vocab, (int(torch.randint(1, 3, (1,), generator=rng)),), generator=rng).tolist())
+    assert kept.num_counted == len(output) - len(output[kept.num_counted :])
+    assert int(kept.output_counts.sum()) == kept.num_counted
+
+
+# --- rows that have no token ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_row_with_every_token_masked_fails_alone(temperature: float) -> None:
+    vocab = 6
+    params = SamplingParams(temperature=temperature, min_tokens=2, seed=1)
+    logits = torch.randn(3, vocab)
+    rows = [make_row(params), make_row(params, stop_ids=frozenset(range(vocab))), make_row(params)]
+    out = sampler(logits, rows)
+    assert out.failed_rows == {1: NO_TOKEN_LEFT}
+    assert all(0 <= t < vocab for t in out.token_ids)
+    alone = sampler(logits[[0, 2]], [make_row(params), make_row(params)])  # fresh generators, same seeds
+    assert [out.token_ids[0], out.token_ids[2]] == alone.token_ids  # the others are unaffected
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+@pytest.mark.parametrize(
+    "params", [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_p=0.9, seed=3)]
+)
+def test_non_finite_logits_fail_their_row_and_never_give_an_out_of_range_id(bad: float, params) -> None:
+    vocab = 8
+    logits = torch.randn(2, vocab)
+    logits[1, 3] = bad
+    logits[1, 5] = bad
+    out = sampler(logits, [make_row(params), make_row(params)])
+    assert out.failed_rows == {1: NON_FINITE_LOGITS}
+    assert all(0 <= t < vocab for t in out.token_ids)
+    assert 0 not in out.failed_rows
+
+
+def test_logprobs_never_hold_nan_or_infinity() -> None:
+    logits = torch.tensor([[float("nan"), 1.0, 2.0], [0.0, 1.0, float("-inf")]])
+    out = sampler(logits, [make_row(SamplingParams(temperature=0, logprobs=3))] * 2)
+    values = [lp.logprob for entry in out.logprobs for lp in entry.values()]
+    assert values and all(math.isfinite(v) for v in values)
 
 
 # --- logprobs -------------------------------------------------------------------------------

@@ -65,7 +65,13 @@ def test_logit_bias_keys_may_be_strings() -> None:
         ({"presence_penalty": 2.5}, r"presence_penalty must be in \[-2, 2\]"),
         ({"presence_penalty": math.nan}, r"presence_penalty must be in \[-2, 2\]"),
         ({"frequency_penalty": -3.0}, r"frequency_penalty must be in \[-2, 2\]"),
-        ({"repetition_penalty": 0.0}, "repetition_penalty must be positive"),
+        ({"temperature": 1e39}, "temperature must be a non-negative number of at most 100"),
+        ({"temperature": 100.5}, "temperature must be a non-negative number of at most 100"),
+        ({"temperature": True}, "temperature must be a non-negative"),
+        ({"repetition_penalty": 0.0}, r"repetition_penalty must be in \[0.01, 100\]"),
+        ({"repetition_penalty": 1e-300}, r"repetition_penalty must be in \[0.01, 100\]"),
+        ({"repetition_penalty": 1e300}, r"repetition_penalty must be in \[0.01, 100\]"),
+        ({"repetition_penalty": math.nan}, r"repetition_penalty must be in \[0.01, 100\]"),
         ({"max_tokens": 0}, "max_tokens must be at least 1"),
         ({"min_tokens": -1}, "min_tokens must be non-negative"),
         ({"min_tokens": 10, "max_tokens": 5}, r"min_tokens \(10\) must not exceed max_tokens \(5\)"),
@@ -75,6 +81,8 @@ def test_logit_bias_keys_may_be_strings() -> None:
         ({"stop": 5}, "stop must be a string or a list"),
         ({"stop_token_ids": [-1]}, "stop_token_ids must be non-negative"),
         ({"seed": 1.5}, "seed must be an integer"),
+        ({"seed": 2**64}, "seed must be an integer in"),
+        ({"seed": 2**63 - 1, "n": 2}, "seed must be an integer in"),
         ({"logit_bias": {3: 150.0}}, r"logit_bias for token 3 must be in \[-100, 100\]"),
         ({"logit_bias": {"x": 1.0}}, "logit_bias entries must map integer token ids"),
         ({"logit_bias": {-4: 1.0}}, "logit_bias token ids must be non-negative"),
@@ -99,3 +107,5 @@ def test_boundary_values_are_accepted() -> None:
         logit_bias={0: -100.0, 1: 100.0},
         seed=0,
     )
+    SamplingParams(temperature=100.0, repetition_penalty=0.01, seed=-(2**63))
+    SamplingParams(repetition_penalty=100.0, seed=2**63 - 2)

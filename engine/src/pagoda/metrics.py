@@ -35,7 +35,7 @@ REQUEST_LATENCY_BUCKETS = [
     120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
 ]  # fmt: skip
 ITERATION_TOKEN_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
-FINISH_REASONS = ("stop", "length", "abort")
+FINISH_REASONS = ("stop", "length", "abort", "error")
 DEFAULT_MAX_TOKENS_BUCKET = 65536
 
 

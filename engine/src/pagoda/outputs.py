@@ -27,7 +27,7 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: Optional[float] = None
     logprobs: Optional[list[PositionLogprobs]] = None
-    finish_reason: Optional[str] = None  # "stop" | "length" | "abort"
+    finish_reason: Optional[str] = None  # "stop" | "length" | "abort" | "error"
     stop_reason: Optional[int | str] = None  # the stop string or stop token id that ended it
 
     @property
@@ -71,3 +71,5 @@ class RequestOutput:
     prompt_logprobs: Optional[list[Optional[PositionLogprobs]]] = None
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    # Set when the request failed on its own (finish_reason "error"): what went wrong, safe to show a client.
+    error: Optional[str] = None

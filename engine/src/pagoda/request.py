@@ -27,6 +27,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = 3
     FINISHED_LENGTH = 4
     FINISHED_ABORTED = 5
+    FINISHED_ERROR = 6  # this request alone failed (no valid token, a tokenizer or detokenizer error)
 
     @property
     def finished(self) -> bool:
@@ -41,6 +42,7 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
 }
 
 
@@ -81,6 +83,9 @@ class Request:
     first_scheduled_time: Optional[float] = None
     first_token_time: Optional[float] = None
     last_token_time: Optional[float] = None
+    # Token counts for the penalties (a worker-side cache of output_token_ids, on the logits' device), kept
+    # from the first sampled token on; never shared between sequences (a fork starts its own).
+    penalty_counts: Optional[object] = None
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

@@ -9,6 +9,17 @@ from typing import Optional, Union
 
 _EPS = 1e-5
 
+# Bounds shared with the OpenAI API's schema (protocol.py), so the served document states what is enforced.
+# Above MAX_TEMPERATURE sampling is uniform for any practical purpose; the bound keeps ``logits / T`` finite
+# in float32. Repetition penalties outside [MIN, MAX] only flatten or saturate logits (1e-300 underflows to 0
+# in float32 and turned them into inf/NaN). A seed seeds a torch.Generator: int64.
+MAX_TEMPERATURE = 100.0
+MIN_REPETITION_PENALTY = 0.01
+MAX_REPETITION_PENALTY = 100.0
+MAX_LOGIT_BIAS = 100.0
+MIN_SEED = -(2**63)
+MAX_SEED = 2**63 - 1
+
 
 class RequestOutputKind(enum.Enum):
     """What each incremental output of a request carries."""
@@ -76,14 +87,18 @@ class SamplingParams:
         return self.temperature == 0.0
 
     @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
     def max_stop_string_len(self) -> int:
         return max((len(s) for s in self.stop_strings), default=0)
 
     def _validate(self) -> None:
         _check(isinstance(self.n, int) and self.n >= 1, f"n must be at least 1, got {self.n}.")
         _check(
-            math.isfinite(self.temperature) and self.temperature >= 0.0,
-            f"temperature must be a non-negative number, got {self.temperature}.",
+            _is_number(self.temperature) and 0.0 <= self.temperature <= MAX_TEMPERATURE,
+            f"temperature must be a non-negative number of at most {MAX_TEMPERATURE:g}, got {self.temperature}.",
         )
         _check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}.")
         _check(
@@ -98,7 +113,12 @@ class SamplingParams:
             -2.0 <= self.frequency_penalty <= 2.0,
             f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}.",
         )
-        _check(self.repetition_penalty > 0.0, f"repetition_penalty must be positive, got {self.repetition_penalty}.")
+        _check(
+            _is_number(self.repetition_penalty)
+            and MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY,
+            f"repetition_penalty must be in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}], "
+            f"got {self.repetition_penalty}.",
+        )
         _check(
             self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
             f"max_tokens must be at least 1, got {self.max_tokens}.",
@@ -121,9 +141,15 @@ class SamplingParams:
             all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
             "stop_token_ids must be non-negative integers.",
         )
-        _check(self.seed is None or isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}.")
+        _check(
+            self.seed is None or (isinstance(self.seed, int) and MIN_SEED <= self.seed <= MAX_SEED - self.n),
+            f"seed must be an integer in [{MIN_SEED}, {MAX_SEED - self.n}], got {self.seed!r}.",
+        )
         for token_id, bias in (self.logit_bias or {}).items():
-            _check(-100.0 <= bias <= 100.0, f"logit_bias for token {token_id} must be in [-100, 100], got {bias}.")
+            _check(
+                -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS,
+                f"logit_bias for token {token_id} must be in [-100, 100], got {bias}.",
+            )
 
 
 def _parse_logit_bias(logit_bias: object) -> dict[int, float]:
@@ -142,6 +168,10 @@ def _parse_logit_bias(logit_bias: object) -> dict[int, float]:
         _check(token_id >= 0, f"logit_bias token ids must be non-negative, got {token_id}.")
         parsed[token_id] = bias
     return parsed
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _check(ok: bool, message: str) -> None:

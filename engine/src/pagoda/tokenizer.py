@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Optional
 
+import jinja2
 from transformers import AutoTokenizer
 
 _TOKENIZER_MODES = ("auto", "slow")
@@ -29,6 +31,28 @@ def get_tokenizer(model_dir: str | Path, tokenizer_mode: str = "auto", trust_rem
     )
 
 
+def check_text(text: str, what: str) -> None:
+    """ValueError if ``text`` is not valid Unicode: a lone surrogate (JSON's ``"\\ud800"``) makes the
+    tokenizers raise TypeError and cannot be encoded to UTF-8 for a response either."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(
+            f"{what} is not valid Unicode: a lone surrogate U+{ord(text[exc.start]):04X} at character {exc.start}"
+        ) from None
+
+
+def encode_prompt(tokenizer: Any, text: str, add_special_tokens: bool = True) -> list[int]:
+    """Tokenize a prompt; ValueError (naming no internals) for text the tokenizer cannot take."""
+    check_text(text, "the prompt")
+    try:
+        return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as exc:  # refused input; BaseException too: a Rust panic (PanicException) is one
+        raise ValueError(f"the prompt could not be tokenized ({type(exc).__name__})") from exc
+
+
 def apply_chat_template(
     tokenizer: Any,
     messages: list[dict[str, Any]],
@@ -44,14 +68,53 @@ def apply_chat_template(
     """
     if chat_template is None and not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model has no chat template; pass chat_template=... (a Jinja template string).")
-    prompt = tokenizer.apply_chat_template(
-        normalize_messages(messages),
-        chat_template=chat_template,
-        add_generation_prompt=add_generation_prompt,
-        tools=tools,
-        tokenize=False,
+    return encode_prompt(
+        tokenizer, render_chat_template(tokenizer, messages, chat_template, add_generation_prompt, tools), False
     )
-    return tokenizer.encode(prompt, add_special_tokens=False)
+
+
+def render_chat_template(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    chat_template: Optional[str] = None,
+    add_generation_prompt: bool = True,
+    tools: Optional[list[dict[str, Any]]] = None,
+) -> str:
+    """The prompt text the chat template makes of ``messages``; ValueError for messages it refuses."""
+    normalized = normalize_messages(messages)
+    _check_strings(normalized, "messages")
+    try:
+        return tokenizer.apply_chat_template(
+            normalized,
+            chat_template=chat_template,
+            add_generation_prompt=add_generation_prompt,
+            tools=tools,
+            tokenize=False,
+        )
+    except jinja2.TemplateError as exc:  # raise_exception() in the template: its message is for the user
+        raise ValueError(f"the chat template refused these messages: {exc}") from None
+    except Exception as exc:
+        raise ValueError(f"the chat template could not render these messages ({type(exc).__name__})") from exc
+
+
+def _check_strings(value: Any, where: str) -> None:
+    """check_text on every string inside nested lists and dicts (keys included)."""
+    for text in iter_strings(value):
+        check_text(text, where)
+
+
+def iter_strings(value: Any) -> Iterator[str]:
+    """Every string inside nested lists and dicts, keys included; iterative, so any JSON depth is fine."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            yield item
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
 
 
 def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:

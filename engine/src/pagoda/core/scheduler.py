@@ -33,12 +33,15 @@ class Scheduler:
         self.pending_block_copies: list[tuple[int, int]] = []
         self.num_preemptions_total = 0
         self.num_chunked_prefill_steps = 0  # steps that computed part, not all, of some prompt
+        # Sequences the waiting queue stands for (an unforked n > 1 request counts n). Kept as a counter
+        # because other threads read it (admission control) while this one changes the queue.
+        self.num_waiting_seqs = 0
 
     # ---- requests in and out -------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
         assert request.request_id not in self.requests, f"duplicate request id {request.request_id}"
-        self.waiting.append(request)
+        self._enqueue(request)
         self.requests[request.request_id] = request
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
@@ -52,7 +55,7 @@ class Scheduler:
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
             else:
-                self.waiting.remove(request)
+                self._dequeue(request)
             self._finish(request, status)
             finished.append(request)
         return finished
@@ -106,7 +109,7 @@ class Scheduler:
         now = time.monotonic()
         while self.waiting and budget > 0:
             request = self.waiting[0]
-            seats = request.sampling_params.n if request.needs_fork else 1
+            seats = _seats(request)
             if self.running and len(self.running) + seats > self.config.max_num_seqs:
                 break
             hits, num_cached = self.kv.get_computed_blocks(request)
@@ -116,7 +119,7 @@ class Scheduler:
             num_new = min(num_new, budget)
             if self.kv.allocate_slots(request, num_new, hits) is None:
                 break
-            self.waiting.popleft()
+            self._dequeue(request)
             if self.kv.enable_caching and not request.pending_prompt_logprobs:
                 self.kv.record_prefix_cache_query(request.num_tokens, num_cached)
             request.status = RequestStatus.RUNNING
@@ -141,7 +144,7 @@ class Scheduler:
             request.prompt_logprobs = [None]
         request.num_preemptions += 1
         self.num_preemptions_total += 1
-        self.waiting.appendleft(request)
+        self._enqueue(request, front=True)
         return undone.num_tokens if undone is not None else 0
 
     # ---- applying results ----------------------------------------------------------------
@@ -185,7 +188,7 @@ class Scheduler:
             self.running.remove(request)
             self._finish(request, status)
         elif status is not None:  # a fork child that is waiting for recompute
-            self.waiting.remove(request)
+            self._dequeue(request)
             self._finish(request, status)
 
     def _stop_status(self, request: Request, token: int) -> Optional[RequestStatus]:
@@ -219,6 +222,7 @@ class Scheduler:
                 logprobs=[] if parent.logprobs is not None else None,
                 prompt_logprobs=None,
                 pending_prompt_logprobs=False,
+                penalty_counts=None,
             )
             child.pending_prompt_logprobs = False  # replace() re-ran __post_init__; the parent collects them
             self.requests[child.request_id] = child
@@ -226,7 +230,7 @@ class Scheduler:
             if copies is None:  # no block for its tail copy: recompute it later instead
                 child.status = RequestStatus.PREEMPTED
                 child.num_computed_tokens = 0
-                self.waiting.appendleft(child)
+                self._enqueue(child, front=True)
             else:
                 self.pending_block_copies.extend(copies)
                 self.running.insert(position, child)
@@ -235,7 +239,26 @@ class Scheduler:
         parent.sibling_generators = None
         return [parent, *children]
 
+    def _enqueue(self, request: Request, front: bool = False) -> None:
+        if front:
+            self.waiting.appendleft(request)
+        else:
+            self.waiting.append(request)
+        self.num_waiting_seqs += _seats(request)
+
+    def _dequeue(self, request: Request) -> None:
+        if self.waiting and self.waiting[0] is request:
+            self.waiting.popleft()
+        else:
+            self.waiting.remove(request)
+        self.num_waiting_seqs -= _seats(request)
+
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
         self.kv.free(request)
         del self.requests[request.request_id]
+
+
+def _seats(request: Request) -> int:
+    """Sequences a request stands for: n until an n > 1 request is forked, then 1 each."""
+    return request.sampling_params.n if request.needs_fork else 1

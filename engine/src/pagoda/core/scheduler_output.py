@@ -46,3 +46,5 @@ class ModelRunnerOutput:
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)
+    # Sequences that got no token this step, with the reason: the engine fails their requests alone.
+    errors: dict[str, str] = field(default_factory=dict)

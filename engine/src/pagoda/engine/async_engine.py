@@ -29,6 +29,11 @@ class EngineDeadError(RuntimeError):
     """The engine thread stopped because of an internal error; no request can make progress."""
 
 
+class RequestFailedError(RuntimeError):
+    """This request alone failed inside the engine (the engine carries on). The message is safe to show a
+    client; the details are in the server log."""
+
+
 @dataclass(slots=True)
 class _Add:
     request_id: str
@@ -66,6 +71,11 @@ class RequestStream:
     def __aiter__(self) -> AsyncIterator[RequestOutput]:
         return self._iterate()
 
+    async def admitted(self) -> None:
+        """Return once the engine has taken the request; raise ValueError if it refused it as invalid,
+        :class:`RequestFailedError` or :class:`EngineDeadError` if it could not take it."""
+        await asyncio.shield(self._admitted)
+
     async def _iterate(self) -> AsyncIterator[RequestOutput]:
         try:
             await self._admitted  # raises the engine's ValueError for a bad request
@@ -89,17 +99,26 @@ class RequestStream:
 class AsyncLLMEngine:
     """Thread-backed asyncio front of :class:`LLMEngine` (one engine thread per instance)."""
 
-    def __init__(self, engine: LLMEngine, on_step: Optional[Callable[[LLMEngine, int], None]] = None) -> None:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        on_step: Optional[Callable[[LLMEngine, int], None]] = None,
+        on_dead: Optional[Callable[[BaseException], None]] = None,
+    ) -> None:
         """``on_step(engine, num_batched_tokens)`` runs on the engine thread after every step, and with 0
-        tokens after adds/aborts change the queues without a step (metrics); it must be quick."""
+        tokens after adds/aborts change the queues without a step (metrics); it must be quick.
+        ``on_dead(error)`` runs on the engine thread once, if the loop stops on an internal error (not on
+        :meth:`shutdown`), after every unfinished request has been failed."""
         self.engine = engine
         self._on_step = on_step
+        self._on_dead = on_dead
         self._inbox: queue.SimpleQueue[Union[_Add, _Abort, None]] = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        # Adds submitted and not yet in the scheduler (or rejected by it). The engine thread lowers
-        # it only after add_request returns, so num_waiting may briefly count a request twice but
-        # never misses one: the admission limit errs on the safe side.
+        # Adds submitted and not yet in the scheduler (or rejected by it), and the sequences they stand
+        # for. The engine thread lowers them only after add_request returns, so num_waiting may briefly
+        # count a request twice but never misses one: the admission limit errs on the safe side.
         self._num_pending_adds = 0
+        self._num_pending_seqs = 0
         self._pending_lock = threading.Lock()
         self._stopping = threading.Event()
         self.error: Optional[BaseException] = None
@@ -110,6 +129,11 @@ class AsyncLLMEngine:
     def num_waiting(self) -> int:
         """Requests queued for the engine: not yet scheduled, or not yet taken from the inbox."""
         return self.engine.scheduler.num_waiting + self._num_pending_adds
+
+    @property
+    def num_waiting_seqs(self) -> int:
+        """Sequences queued for the engine (an ``n > 1`` request counts ``n``), as :attr:`num_waiting`."""
+        return self.engine.scheduler.num_waiting_seqs + self._num_pending_seqs
 
     @property
     def is_alive(self) -> bool:
@@ -129,6 +153,7 @@ class AsyncLLMEngine:
         admitted = loop.create_future()
         with self._pending_lock:
             self._num_pending_adds += 1
+            self._num_pending_seqs += params.n
         self._inbox.put(_Add(request_id, prompt, params, loop, outputs, admitted))
         return RequestStream(self, request_id, outputs, admitted)
 
@@ -176,10 +201,12 @@ class AsyncLLMEngine:
                 self._deliver_step(self.engine.step())
                 if self._on_step is not None:
                     self._on_step(self.engine, self.engine.last_step_num_tokens)
-        except BaseException as exc:  # an engine bug: fail every request loudly, never hang them
-            logger.exception("engine thread failed")
+        except BaseException as exc:  # an engine bug or a device fault: fail every request loudly, never hang them
+            logger.critical("the engine loop failed; no request can make progress", exc_info=exc)
             self.error = exc
         self._fail_all(EngineDeadError("the engine stopped" + (f": {self.error!r}" if self.error else "")))
+        if self.error is not None and self._on_dead is not None:
+            self._on_dead(self.error)
 
     def _apply_commands(self, block: bool) -> bool:
         """Apply queued adds and aborts; returns whether there were any."""
@@ -197,12 +224,18 @@ class AsyncLLMEngine:
     def _add(self, command: _Add) -> None:
         try:
             self.engine.add_request(command.request_id, command.prompt, command.params)
-        except ValueError as exc:
+        except ValueError as exc:  # the request is invalid: the caller answers 400
             _call_soon(command.loop, _set_exception, command.admitted, exc)
+            return
+        except Exception:  # this request alone could not be added; add_request registers nothing on failure
+            logger.exception("request_id=%s: adding it to the engine failed", command.request_id)
+            error = RequestFailedError("the request could not be added to the engine")
+            _call_soon(command.loop, _set_exception, command.admitted, error)
             return
         finally:
             with self._pending_lock:
                 self._num_pending_adds -= 1
+                self._num_pending_seqs -= command.params.n
         if _call_soon(command.loop, _set_result, command.admitted):
             self._streams[command.request_id] = (command.loop, command.outputs)
         else:  # its event loop closed meanwhile: nobody will read it
@@ -240,6 +273,7 @@ class AsyncLLMEngine:
             if isinstance(command, _Add):
                 with self._pending_lock:
                     self._num_pending_adds -= 1
+                    self._num_pending_seqs -= command.params.n
                 _call_soon(command.loop, _set_exception, command.admitted, error)
 
 

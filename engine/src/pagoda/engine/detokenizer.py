@@ -7,6 +7,13 @@ tokens (``prefix``, already turned into text, plus the tokens after it) and emit
 window adds beyond the prefix text, and only once it does not end in an incomplete character.
 The first window starts in the tail of the prompt so the first output token is decoded in
 context.
+
+The window must stay short for decoding to stay linear in the output's length. A character is at
+most 4 bytes, so at most 4 byte-fallback tokens; tokens that add no text (skipped special tokens)
+or bytes that never form a character (invalid UTF-8) would otherwise grow it without bound, each
+step decoding all of it again. So after ``_MAX_PENDING_TOKENS`` tokens without new complete text
+the window is cut: at the latest point that decodes cleanly, else before the last 3 tokens (which
+could still begin a character), emitting invalid bytes as U+FFFD.
 """
 
 from __future__ import annotations
@@ -19,6 +26,8 @@ from pagoda.sampling_params import SamplingParams
 # How many prompt tokens the first window starts with (vLLM uses the same).
 _PROMPT_CONTEXT_TOKENS = 5
 _REPLACEMENT_CHAR = "\ufffd"
+_MAX_PENDING_TOKENS = 8
+_MAX_CHAR_TOKENS = 4  # a UTF-8 character has at most 4 bytes, each at least one token
 
 
 class IncrementalDetokenizer:
@@ -86,11 +95,30 @@ class IncrementalDetokenizer:
         full_text = self._decode(self._window)
         # Wait for more bytes while the window ends in an incomplete character.
         if len(full_text) > len(self._prefix_text) and not full_text.endswith(_REPLACEMENT_CHAR):
-            self.output_text += full_text[len(self._prefix_text) :]
-            # The tokens just emitted become the next prefix: enough context, bounded window.
-            self._window = self._window[self._read :]
-            self._read = len(self._window)
-            self._prefix_text = None
+            self._advance(full_text, len(self._window))
+        elif len(self._window) - self._read >= _MAX_PENDING_TOKENS:
+            self._cut_window()
+
+    def _advance(self, text: str, end: int) -> None:
+        """Emit what ``text`` (the decoded ``window[:end]``) adds to the prefix text; the tokens just
+        emitted become the next prefix: enough context, bounded window."""
+        if len(text) > len(self._prefix_text):
+            self.output_text += text[len(self._prefix_text) :]
+        self._window = self._window[self._read :]
+        self._read = end - self._read
+        self._prefix_text = None
+
+    def _cut_window(self) -> None:
+        """Too many tokens without new complete text: emit up to the latest clean cut that keeps at most
+        the last 3 tokens pending, or, if none decodes cleanly, everything before those 3."""
+        last = len(self._window)
+        for end in range(last - 1, last - _MAX_CHAR_TOKENS, -1):
+            text = self._decode(self._window[:end])
+            if len(text) > len(self._prefix_text) and not text.endswith(_REPLACEMENT_CHAR):
+                self._advance(text, end)
+                return
+        end = last - (_MAX_CHAR_TOKENS - 1)
+        self._advance(self._decode(self._window[:end]), end)
 
     def _check_stop_strings(self, length_before: int) -> Optional[str]:
         """Find the earliest stop string that ends in the text added since ``length_before``."""

@@ -21,7 +21,7 @@ from pagoda.model_config import ModelConfig, resolve_dtype
 from pagoda.outputs import RequestOutput
 from pagoda.request import Request, RequestStatus, sequence_id
 from pagoda.sampling_params import SamplingParams
-from pagoda.tokenizer import get_tokenizer
+from pagoda.tokenizer import encode_prompt, get_tokenizer
 from pagoda.worker.attention_triton import resolve_attention_backend
 from pagoda.worker.kv_sizing import check_fits, cpu_num_blocks, gpu_num_blocks
 from pagoda.worker.model_runner import ModelRunner
@@ -111,17 +111,22 @@ class LLMEngine:
         lora_id: Optional[int] = None,
         cache_salt: Optional[str] = None,
     ) -> Request:
-        """Validate and queue a request; raises ValueError for anything the engine cannot serve."""
-        if request_id in self.output_processor.states:
-            raise ValueError(f"request id {request_id!r} is already in use")
+        """Validate and queue a request; raises ValueError for anything the engine cannot serve.
+
+        Everything that can fail runs before the request is registered anywhere, so a refused request
+        leaves no state behind.
+        """
         if not isinstance(request_id, str) or not request_id:
             raise ValueError("request_id must be a non-empty string")
+        if request_id in self.output_processor.states:
+            raise ValueError(f"request id {request_id!r} is already in use")
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, not {type(params).__name__}")
         text = prompt if isinstance(prompt, str) else None
-        prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else _token_ids(prompt)
-        self._validate(prompt_ids, params)
+        prompt_ids = encode_prompt(self.tokenizer, prompt) if isinstance(prompt, str) else _token_ids(prompt)
+        self.check_request(prompt_ids, params)
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(prompt_ids)
+        generators = self._generators(params)
         request = Request(
             request_id=sequence_id(request_id, 0),
             parent_id=request_id,
@@ -134,7 +139,6 @@ class LLMEngine:
             lora_id=lora_id,
             cache_salt=cache_salt,
         )
-        generators = self._generators(params)
         request.generator = generators[0]
         request.sibling_generators = generators[1:] if params.n > 1 else None
         self.output_processor.add_request(request, text)
@@ -155,7 +159,11 @@ class LLMEngine:
     # ---- stepping ------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model once, and return the outputs of requests that progressed."""
+        """Schedule, run the model once, and return the outputs of requests that progressed.
+
+        A request that fails on its own (no valid token, its output cannot be detokenized) gets a
+        final output with ``error`` set; the other requests of the step carry on.
+        """
         plan = self.scheduler.schedule()
         self.last_step_num_tokens = plan.num_batched_tokens
         if plan.is_empty:
@@ -163,10 +171,29 @@ class LLMEngine:
             assert not self.scheduler.has_unfinished_requests(), "scheduler made no progress"
             return []
         result = self.runner.execute(plan)
+        failed = {self._external_id(seq_id): message for seq_id, message in result.errors.items()}
         updated = self.scheduler.update_from_output(plan, result)
-        stopped = self.output_processor.detokenize(updated)
+        stopped, detokenize_failed = self.output_processor.detokenize(updated)
+        failed.update(detokenize_failed)
         self.scheduler.finish_requests([r.request_id for r in stopped], RequestStatus.FINISHED_STOPPED)
-        return self.output_processor.make_outputs(updated)
+        outputs, output_failed = self.output_processor.make_outputs([r for r in updated if r.external_id not in failed])
+        failed.update(output_failed)
+        for external_id, message in failed.items():
+            logger.warning("request_id=%s failed: %s", external_id, message)
+            output = self.fail_request(external_id, message)
+            if output is not None:
+                outputs.append(output)
+        return outputs
+
+    def fail_request(self, request_id: str, message: str) -> Optional[RequestOutput]:
+        """Finish every sequence of a request with finish reason "error" and free its blocks; returns its
+        final output (``error=message``), or None if the request is not running here."""
+        self.scheduler.finish_requests(self.output_processor.sequence_ids(request_id), RequestStatus.FINISHED_ERROR)
+        return self.output_processor.fail_request(request_id, message)
+
+    def _external_id(self, seq_id: str) -> str:
+        request = self.scheduler.requests.get(seq_id)
+        return request.external_id if request is not None else seq_id.rpartition("#")[0]
 
     def get_stats(self) -> EngineStats:
         kv = self.scheduler.kv
@@ -198,7 +225,12 @@ class LLMEngine:
 
     # ---- helpers -------------------------------------------------------------------------
 
-    def _validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError if the engine cannot serve this prompt with these params (no side effects).
+
+        The server calls it before a request reaches the engine, so that a streamed request is refused
+        with a 400 before its response starts; ``add_request`` calls it again.
+        """
         if not prompt_ids:
             raise ValueError("the prompt is empty; it must contain at least one token")
         vocab = self.model_config.vocab_size
@@ -219,6 +251,15 @@ class LLMEngine:
             if value is not None and value > MAX_LOGPROBS:
                 raise ValueError(f"{name}={value} exceeds the maximum of {MAX_LOGPROBS}")
         validate_for_vocab(params, vocab)
+        if params.min_tokens > 0:
+            stop_ids = params.all_stop_token_ids | (
+                frozenset() if params.ignore_eos else self.model_config.eos_token_ids
+            )
+            if sum(1 for t in stop_ids if 0 <= t < vocab) >= vocab:
+                raise ValueError(
+                    f"min_tokens={params.min_tokens} cannot be met: stop_token_ids (with the EOS tokens unless "
+                    "ignore_eos) cover every token of the vocabulary, so no token could be generated"
+                )
 
     def _generators(self, params: SamplingParams) -> list[Optional[torch.Generator]]:
         """One generator per sequence; a user seed s gives sequence i the seed s + i."""

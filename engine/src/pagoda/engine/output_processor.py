@@ -3,6 +3,7 @@ strings, and assemble the ``n`` sequences of a request by its output kind."""
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Optional
@@ -11,6 +12,11 @@ from pagoda.engine.detokenizer import IncrementalDetokenizer
 from pagoda.outputs import CompletionOutput, PositionLogprobs, RequestMetrics, RequestOutput
 from pagoda.request import Request, RequestStatus
 from pagoda.sampling_params import RequestOutputKind
+
+logger = logging.getLogger(__name__)
+
+# What a client is told when its output could not be turned into text; the details go to the log.
+DETOKENIZE_FAILED = "the request's output could not be detokenized"
 
 
 @dataclass(slots=True)
@@ -48,17 +54,21 @@ class OutputProcessor:
         state = self.states.get(external_id)
         return [] if state is None else [s.request.request_id for s in state.sequences.values()]
 
-    def detokenize(self, updated: list[Request]) -> list[Request]:
-        """Feed new tokens to the detokenizers; returns running sequences that hit a stop string
-        (their ``stop_reason`` is set; the caller finishes them in the scheduler)."""
-        stopped = []
+    def detokenize(self, updated: list[Request]) -> tuple[list[Request], dict[str, str]]:
+        """Feed new tokens to the detokenizers. Returns running sequences that hit a stop string
+        (their ``stop_reason`` is set; the caller finishes them in the scheduler), and the requests
+        whose detokenizer failed (external id -> message): the caller fails those alone."""
+        stopped: list[Request] = []
+        failed: dict[str, str] = {}
         for request in updated:
-            seq = self._sequence(request)
-            new_tokens = request.output_token_ids[seq.num_detokenized :]
-            seq.num_detokenized = request.num_output_tokens
-            # a sequence already finished as STOPPED here ended on EOS or a stop token id
-            stop_terminated = request.status == RequestStatus.FINISHED_STOPPED
-            stop = seq.detokenizer.update(new_tokens, stop_terminated=stop_terminated)
+            if request.external_id in failed:
+                continue
+            try:
+                stop = self._detokenize(request)
+            except Exception:  # one request's text must never stop the engine
+                logger.exception("request_id=%s: detokenizing its output failed", request.external_id)
+                failed[request.external_id] = DETOKENIZE_FAILED
+                continue
             if stop is None:
                 continue
             request.stop_reason = stop
@@ -66,24 +76,64 @@ class OutputProcessor:
                 request.status = RequestStatus.FINISHED_STOPPED
             else:
                 stopped.append(request)
-        return stopped
+        return stopped, failed
 
-    def make_outputs(self, updated: list[Request]) -> list[RequestOutput]:
-        """One RequestOutput per request touched this step (as its output kind allows)."""
+    def _detokenize(self, request: Request) -> Optional[str]:
+        seq = self._sequence(request)
+        new_tokens = request.output_token_ids[seq.num_detokenized :]
+        seq.num_detokenized = request.num_output_tokens
+        # a sequence already finished as STOPPED here ended on EOS or a stop token id
+        stop_terminated = request.status == RequestStatus.FINISHED_STOPPED
+        return seq.detokenizer.update(new_tokens, stop_terminated=stop_terminated)
+
+    def make_outputs(self, updated: list[Request]) -> tuple[list[RequestOutput], dict[str, str]]:
+        """One RequestOutput per request touched this step (as its output kind allows), and the
+        requests whose output could not be built (external id -> message), to be failed alone."""
         touched: dict[str, list[Request]] = {}
         for request in updated:
             touched.setdefault(request.external_id, []).append(request)
         outputs = []
+        failed: dict[str, str] = {}
         for external_id, requests in touched.items():
             state = self.states.get(external_id)
             if state is None:
                 continue
-            output = self._make_output(state, requests)
+            try:
+                output = self._make_output(state, requests)
+            except Exception:
+                logger.exception("request_id=%s: building its output failed", external_id)
+                failed[external_id] = DETOKENIZE_FAILED
+                continue
             if output is not None:
                 outputs.append(output)
             if output is not None and output.finished:
                 del self.states[external_id]
-        return outputs
+        return outputs, failed
+
+    def fail_request(self, external_id: str, message: str) -> Optional[RequestOutput]:
+        """The final output of a request that failed alone (``error`` set, every unfinished sequence
+        "error"); forgets the request. None if it is not known (already finished or aborted)."""
+        state = self.states.pop(external_id, None)
+        if state is None:
+            return None
+        completions = []
+        for seq in sorted(state.sequences.values(), key=lambda s: s.request.index):
+            request = seq.request
+            if not request.is_finished:
+                request.status = RequestStatus.FINISHED_ERROR
+            completions.append(
+                CompletionOutput(index=request.index, text="", token_ids=[], finish_reason=request.status.finish_reason)
+            )
+        return RequestOutput(
+            request_id=external_id,
+            prompt=state.prompt,
+            prompt_token_ids=state.parent.prompt_token_ids,
+            outputs=completions,
+            finished=True,
+            metrics=self._metrics(state, True),
+            num_cached_tokens=state.parent.num_cached_tokens or 0,
+            error=message,
+        )
 
     def _make_output(self, state: _RequestState, updated: list[Request]) -> Optional[RequestOutput]:
         params = state.parent.sampling_params

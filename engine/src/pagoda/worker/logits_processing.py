@@ -48,6 +48,45 @@ def apply_min_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch
     return logits
 
 
+class PenaltyCounts:
+    """One sequence's token statistics for the penalties, kept up to date as it grows.
+
+    ``prompt_mask`` ``[vocab]`` bool marks the prompt's tokens (built once, only for the repetition
+    penalty); ``output_counts`` ``[vocab]`` int32 counts output tokens and takes only the tokens added
+    since the last step, so a step costs O(new tokens) instead of O(prompt + output).
+    """
+
+    __slots__ = ("prompt_mask", "output_counts", "num_counted")
+
+    def __init__(self, prompt_token_ids: Sequence[int], vocab: int, device: torch.device, with_prompt: bool) -> None:
+        self.prompt_mask = None
+        if with_prompt:
+            self.prompt_mask = torch.zeros(vocab, dtype=torch.bool, device=device)
+            if prompt_token_ids:
+                self.prompt_mask[_long(list(prompt_token_ids), device)] = True
+        self.output_counts = torch.zeros(vocab, dtype=torch.int32, device=device)
+        self.num_counted = 0
+
+    def update(self, output_token_ids: Sequence[int]) -> None:
+        """Count the output tokens added since the last call (the list only ever grows)."""
+        assert len(output_token_ids) >= self.num_counted, "output tokens were removed"
+        if len(output_token_ids) == self.num_counted:
+            return
+        new = _long(list(output_token_ids[self.num_counted :]), self.output_counts.device)
+        self.output_counts.index_add_(0, new, torch.ones_like(new, dtype=torch.int32))
+        self.num_counted = len(output_token_ids)
+
+
+def penalty_counts(row: SamplingRow, vocab: int, device: torch.device) -> PenaltyCounts:
+    """The row's up-to-date counts: its sequence's own when it keeps one, else built for this call."""
+    counts = row.penalty_counts
+    if counts is None:
+        with_prompt = row.params.repetition_penalty != 1.0
+        counts = PenaltyCounts(row.prompt_token_ids, vocab, device, with_prompt)
+    counts.update(row.output_token_ids)
+    return counts
+
+
 def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     """Apply repetition, presence and frequency penalties to the rows that ask for them.
 
@@ -56,22 +95,25 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.
     (OpenAI): over output tokens only, ``logit -= presence * (count > 0) + frequency * count``.
     """
     vocab = logits.shape[1]
-    rep = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0]
+    wanted = [i for i, r in enumerate(rows) if r.params.has_penalties]
+    if not wanted:
+        return logits
+    counts = {i: penalty_counts(rows[i], vocab, logits.device) for i in wanted}
+    rep = [i for i in wanted if rows[i].params.repetition_penalty != 1.0]
     if rep:
-        seen = _token_counts(
-            [itertools.chain(rows[i].prompt_token_ids, rows[i].output_token_ids) for i in rep], vocab, logits.device
-        )
+        assert all(counts[i].prompt_mask is not None for i in rep), "counts kept without the prompt mask"
+        seen = torch.stack([counts[i].prompt_mask | (counts[i].output_counts > 0) for i in rep])
         penalty = _float([rows[i].params.repetition_penalty for i in rep], logits)[:, None]
         sub = logits[_long(rep, logits.device)]
         penalised = torch.where(sub > 0, sub / penalty, sub * penalty)
-        logits[_long(rep, logits.device)] = torch.where(seen > 0, penalised, sub)
-    additive = [i for i, r in enumerate(rows) if r.params.presence_penalty != 0.0 or r.params.frequency_penalty != 0.0]
+        logits[_long(rep, logits.device)] = torch.where(seen, penalised, sub)
+    additive = [i for i in wanted if rows[i].params.presence_penalty != 0.0 or rows[i].params.frequency_penalty != 0.0]
     if additive:
-        counts = _token_counts([rows[i].output_token_ids for i in additive], vocab, logits.device).to(logits.dtype)
+        output_counts = torch.stack([counts[i].output_counts for i in additive]).to(logits.dtype)
         presence = _float([rows[i].params.presence_penalty for i in additive], logits)[:, None]
         frequency = _float([rows[i].params.frequency_penalty for i in additive], logits)[:, None]
         index = _long(additive, logits.device)
-        logits[index] = logits[index] - presence * (counts > 0) - frequency * counts
+        logits[index] = logits[index] - presence * (output_counts > 0) - frequency * output_counts
     return logits
 
 
@@ -118,22 +160,6 @@ def apply_min_p(logits: torch.Tensor, min_p: list[float]) -> torch.Tensor:
     threshold = probs.amax(dim=-1, keepdim=True) * _float([min_p[i] for i in rows], logits)[:, None]
     logits[index] = sub.masked_fill(probs < threshold, float("-inf"))
     return logits
-
-
-def _token_counts(seqs: Sequence[Sequence[int]] | list, vocab: int, device: torch.device) -> torch.Tensor:
-    """How often each token occurs in each sequence: ``[len(seqs), vocab]`` int32."""
-    lists = [list(s) for s in seqs]
-    lengths = torch.tensor([len(s) for s in lists], dtype=torch.long)
-    width = max(int(lengths.max()), 1)
-    # Pad with an extra column ``vocab`` that is sliced off afterwards.
-    padded = torch.full((len(lists), width), vocab, dtype=torch.long)
-    padded[torch.arange(width)[None, :] < lengths[:, None]] = torch.tensor(
-        list(itertools.chain.from_iterable(lists)), dtype=torch.long
-    )
-    padded = padded.to(device, non_blocking=True)
-    counts = torch.zeros((len(lists), vocab + 1), dtype=torch.int32, device=device)
-    counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=torch.int32))
-    return counts[:, :vocab]
 
 
 def _long(values: list[int], device: torch.device) -> torch.Tensor:

@@ -24,6 +24,7 @@ from pagoda.worker.attention import (
 from pagoda.worker.attention_triton import TritonAttentionBackend
 from pagoda.worker.cuda_graphs import DecodeCudaGraphs
 from pagoda.worker.kv_sizing import KVCacheShape
+from pagoda.worker.logits_processing import PenaltyCounts
 from pagoda.worker.sampler import Sampler, SamplingRow, compute_prompt_logprobs
 
 logger = logging.getLogger(__name__)
@@ -99,7 +100,7 @@ class ModelRunner:
         row_logits: list[int] = []
         for i, request in enumerate(inputs.sample_requests):
             for generator in _sequence_generators(request):
-                rows.append(_sampling_row(request, generator))
+                rows.append(_sampling_row(request, generator, logits.shape[1], logits.device))
                 row_logits.append(i)
         if len(row_logits) != logits.shape[0]:  # an n > 1 prompt samples n times from one row
             logits = logits[row_logits]
@@ -107,9 +108,13 @@ class ModelRunner:
         row = 0
         for request in inputs.sample_requests:
             count = len(_sequence_generators(request))
-            out.sampled_token_ids[request.request_id] = sampled.token_ids[row : row + count]
-            if request.sampling_params.logprobs is not None:
-                out.logprobs[request.request_id] = sampled.logprobs[row : row + count]
+            failure = next((sampled.failed_rows[r] for r in range(row, row + count) if r in sampled.failed_rows), None)
+            if failure is not None:  # no token for this request: it fails alone, the batch goes on
+                out.errors[request.request_id] = failure
+            else:
+                out.sampled_token_ids[request.request_id] = sampled.token_ids[row : row + count]
+                if request.sampling_params.logprobs is not None:
+                    out.logprobs[request.request_id] = sampled.logprobs[row : row + count]
             row += count
         return out
 
@@ -220,13 +225,19 @@ def _sequence_generators(request: Request) -> list:
     return [request.generator]
 
 
-def _sampling_row(request: Request, generator) -> SamplingRow:
+def _sampling_row(request: Request, generator, vocab: int, device: torch.device) -> SamplingRow:
     params = request.sampling_params
     stop_ids = params.all_stop_token_ids if params.ignore_eos else params.all_stop_token_ids | request.eos_token_ids
+    if params.has_penalties and request.penalty_counts is None:
+        # Kept on the sequence from its first sampled token on; a forked child starts its own.
+        request.penalty_counts = PenaltyCounts(
+            request.prompt_token_ids, vocab, device, with_prompt=params.repetition_penalty != 1.0
+        )
     return SamplingRow(
         params=params,
         generator=generator,
         prompt_token_ids=request.prompt_token_ids,
         output_token_ids=request.output_token_ids,
         min_tokens_stop_ids=stop_ids,
+        penalty_counts=request.penalty_counts,
     )

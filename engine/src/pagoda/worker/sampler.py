@@ -8,12 +8,17 @@ argmax, or temperature, top_k, top_p, min_p and a random draw.
 Batch independence: a seeded row gets the same token whichever rows share its batch and at
 whatever index it sits. All tensor work is row-wise, and the only randomness is one uniform
 number per row drawn from that row's own generator, turned into a token by inverse CDF.
+
+No token id outside the vocabulary ever leaves the sampler: a row whose chosen token is out of
+range or has a non-finite processed logit (every token masked, or NaN logits from the model) is
+reported in ``SamplerOutput.failed_rows`` and its id replaced by 0, so that request alone fails.
+The check reads one logit per row, not the whole batch.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -40,6 +45,8 @@ class SamplingRow:
     output_token_ids: Sequence[int]  # tokens generated so far by this sequence
     # EOS ids + stop_token_ids: forbidden while len(output_token_ids) < params.min_tokens.
     min_tokens_stop_ids: frozenset[int]
+    # The sequence's incrementally kept token counts for penalties; None: counted afresh for this call.
+    penalty_counts: Optional[processing.PenaltyCounts] = None
 
 
 @dataclass(slots=True)
@@ -50,6 +57,8 @@ class SamplerOutput:
     # Per row; None when params.logprobs is None. The sampled token first, then the top
     # params.logprobs tokens in rank order. Ranks are 1-based among the whole vocabulary.
     logprobs: list[Optional[dict[int, Logprob]]]
+    # Rows that have no valid token (their id above is a placeholder), with the reason.
+    failed_rows: dict[int, str] = field(default_factory=dict)
 
 
 class Sampler:
@@ -60,8 +69,9 @@ class Sampler:
         assert logits.dim() == 2 and logits.shape[0] == len(rows), (tuple(logits.shape), len(rows))
         processed = _process(logits, rows)
         token_ids = _choose(processed, rows)
+        token_ids, failed_rows = _check_chosen(processed, token_ids, rows)
         logprobs = _sampled_logprobs(logits, token_ids, rows)
-        return SamplerOutput(token_ids=token_ids.tolist(), logprobs=logprobs)
+        return SamplerOutput(token_ids=token_ids.tolist(), logprobs=logprobs, failed_rows=failed_rows)
 
 
 def compute_prompt_logprobs(logits: torch.Tensor, next_token_ids: Sequence[int], k: int) -> list[dict[int, Logprob]]:
@@ -154,6 +164,29 @@ def _uniforms(generators: list[Optional[torch.Generator]], device: torch.device)
     return torch.cat([d.to(device) for d in draws])
 
 
+NO_TOKEN_LEFT = "no token can be sampled: every token of the vocabulary is excluded (min_tokens with stop tokens)"
+NON_FINITE_LOGITS = "the model produced non-finite logits for this request"
+
+
+def _check_chosen(
+    processed: torch.Tensor, token_ids: torch.Tensor, rows: list[SamplingRow]
+) -> tuple[torch.Tensor, dict[int, str]]:
+    """Replace invalid choices by token 0 and say which rows had them and why (one logit read per row)."""
+    vocab = processed.shape[1]
+    in_range = (token_ids >= 0) & (token_ids < vocab)
+    safe_ids = torch.where(in_range, token_ids, torch.zeros_like(token_ids))
+    chosen = processed.gather(1, safe_ids[:, None])[:, 0]
+    valid = in_range & torch.isfinite(chosen)
+    if bool(valid.all()):
+        return token_ids, {}
+    failed = {}
+    for row in (~valid).nonzero()[:, 0].tolist():
+        # -inf everywhere is what masking leaves; NaN or +inf come from the logits themselves.
+        masked_out = bool(torch.isneginf(processed[row]).all())
+        failed[row] = NO_TOKEN_LEFT if masked_out else NON_FINITE_LOGITS
+    return safe_ids, failed
+
+
 def _sampled_logprobs(
     raw_logits: torch.Tensor, token_ids: torch.Tensor, rows: list[SamplingRow]
 ) -> list[Optional[dict[int, Logprob]]]:
@@ -169,8 +202,11 @@ def _sampled_logprobs(
 
 
 def _logprob_entries(logits: torch.Tensor, chosen: torch.Tensor, ks: list[int]) -> list[dict[int, Logprob]]:
-    """Per row: the chosen token's logprob and rank, then the top ``ks[row]`` tokens."""
-    logprobs = logits.float().log_softmax(dim=-1)
+    """Per row: the chosen token's logprob and rank, then the top ``ks[row]`` tokens.
+
+    Non-finite values (only from non-finite logits) are reported as -9999.0, as OpenAI reports
+    "impossible", so a response body never holds NaN or infinity."""
+    logprobs = logits.float().log_softmax(dim=-1).nan_to_num_(nan=-9999.0, posinf=0.0, neginf=-9999.0)
     chosen_lp = logprobs.gather(1, chosen[:, None])
     # Rank counts the tokens at least as likely as the chosen one (vLLM's convention for ties).
     ranks = (logprobs >= chosen_lp).sum(dim=-1)

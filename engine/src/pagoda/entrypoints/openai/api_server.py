@@ -1,9 +1,11 @@
 """`pagoda serve`: the OpenAI-compatible HTTP server.
 
 The HTTP server binds at once; the model loads in a background thread (``/health`` is 200
-meanwhile, ``/ready`` 503 until it is loaded). Model compute runs on the engine thread, never
-on the event loop. SIGTERM/SIGINT start a drain: ``/ready`` and new requests answer 503,
-in-flight requests get ``--shutdown-timeout`` seconds to finish, the rest are aborted.
+meanwhile, ``/ready`` 503 until it is loaded). Model compute runs on the engine thread and
+tokenizing on the tokenizer pool, never on the event loop. SIGTERM/SIGINT start a drain: ``/ready``
+and new requests answer 503, in-flight requests get ``--shutdown-timeout`` seconds to finish, the
+rest are aborted. If the engine loop itself fails (a device or process fault, never one request's
+input), ``/health`` turns 503, in-flight requests get 503 and the process exits with status 1.
 """
 
 from __future__ import annotations
@@ -11,12 +13,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Optional
 
 import uvicorn
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 
 import pagoda
@@ -24,13 +28,10 @@ from pagoda.config import EngineArgs
 from pagoda.engine.async_engine import AsyncLLMEngine
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.entrypoints.openai.auth import ApiKeyMiddleware
-from pagoda.entrypoints.openai.errors import (
-    OpenAIError,
-    install_error_handlers,
-    not_found_model,
-    service_unavailable,
-    too_many_requests,
-)
+from pagoda.entrypoints.openai.errors import install_error_handlers, not_found_model, service_unavailable
+from pagoda.entrypoints.openai.http_guards import BodyLimitMiddleware, RequestIdMiddleware, header_timeout_protocol
+from pagoda.entrypoints.openai.limits import AdmissionControl, RequestChecker, ServerLimits
+from pagoda.entrypoints.openai.openapi import install_openapi, route_responses
 from pagoda.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -38,8 +39,13 @@ from pagoda.entrypoints.openai.protocol import (
     TokenizeRequest,
 )
 from pagoda.entrypoints.openai.serving import OpenAIServing
+from pagoda.entrypoints.openai.tokenizer_pool import (
+    DEFAULT_POOL_SIZE,
+    DEFAULT_POOL_TYPE,
+    TokenizerPool,
+    TokenizerSpec,
+)
 from pagoda.metrics import EngineMetrics
-from pagoda.tokenizer import apply_chat_template
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +65,17 @@ class ServerConfig:
     api_keys: tuple[str, ...] = ()
     max_num_queued_requests: int = DEFAULT_MAX_NUM_QUEUED_REQUESTS
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT
+    limits: ServerLimits = field(default_factory=ServerLimits)
+    allowed_origins: tuple[str, ...] = ()  # CORS: none by default
+    allow_credentials: bool = False
+    tokenizer_pool_type: str = DEFAULT_POOL_TYPE
+    tokenizer_pool_size: int = DEFAULT_POOL_SIZE
+
+
+# What clients are told when loading failed or the engine stopped; the cause is in the log (and, for a
+# failed start, in the exit status), never in a response body.
+_LOAD_FAILED = "the model failed to load; the server log has the cause"
+_ENGINE_STOPPED = "the engine stopped after an internal error; the server is exiting"
 
 
 @dataclass(slots=True)
@@ -70,41 +87,70 @@ class ServerState:
     engine: Optional[AsyncLLMEngine] = None
     serving: Optional[OpenAIServing] = None
     metrics: Optional[EngineMetrics] = None
+    pool: Optional[TokenizerPool] = None
     load_error: Optional[str] = None
     draining: bool = False
     in_flight: int = 0
     started: float = field(default_factory=time.time)
+    exit_code: int = 0
+    # Set by run_server: ends the process with this status (thread-safe); None when there is no server.
+    request_exit: Optional[Callable[[int], None]] = None
 
     def load(self) -> None:
-        """Load the model and start the engine thread (runs on a background thread)."""
+        """Load the model, start the tokenizer pool and the engine thread (runs on a background thread)."""
         try:
-            engine = LLMEngine(self.config.engine_args)
+            args = self.config.engine_args
+            # The tokenizer workers start (a process each: seconds) while the model loads.
+            self.pool = TokenizerPool(
+                TokenizerSpec(args.tokenizer or str(args.resolved_model_path()), args.chat_template),
+                self.config.tokenizer_pool_type,
+                self.config.tokenizer_pool_size,
+            )
+            starting = self.pool.start()
+            engine = LLMEngine(args)
             stats = engine.get_stats()
             self.metrics = EngineMetrics(
                 self.model_name, stats.block_size, stats.num_blocks, max_model_len=engine.max_model_len
             )
+            starting.wait()
             metrics = self.metrics
             async_engine = AsyncLLMEngine(
-                engine, on_step=lambda e, num_tokens: metrics.record_step(e.get_stats(), num_tokens)
+                engine,
+                on_step=lambda e, num_tokens: metrics.record_step(e.get_stats(), num_tokens),
+                on_dead=self._engine_died,
             )
+            limits = self.config.limits
             self.serving = OpenAIServing(
-                async_engine, self.model_name, self.config.engine_args.chat_template, self.metrics
+                async_engine,
+                self.model_name,
+                self.pool,
+                RequestChecker(limits, limits.prompt_chars(engine.max_model_len)),
+                AdmissionControl(self.config.max_num_queued_requests, lambda: async_engine.num_waiting_seqs),
+                self.metrics,
             )
             self.engine = async_engine
             logger.info("model %s loaded; ready", self.model_name)
-        except Exception as exc:  # reported by /health and /ready, and in the log
+        except Exception:  # reported by /health and /ready, and in the log
             logger.exception("loading the model failed")
-            self.load_error = f"{type(exc).__name__}: {exc}"
+            self.load_error = _LOAD_FAILED
+
+    def _engine_died(self, error: BaseException) -> None:
+        """Engine thread, once: the loop failed. Every request has its 503; now exit non-zero so that
+        Kubernetes restarts the pod instead of leaving it up and useless."""
+        logger.critical("the engine stopped (%r); exiting with status 1", error)
+        self.exit_code = 1
+        if self.request_exit is not None:
+            self.request_exit(1)
 
     def check_admission(self, model: Optional[str]) -> OpenAIServing:
         if self.draining:
             raise service_unavailable("the server is shutting down")
+        if self.engine is not None and not self.engine.is_alive:
+            raise service_unavailable(_ENGINE_STOPPED)
         if self.serving is None or self.engine is None:
             raise service_unavailable(self.load_error or "the model is still loading")
         if model is not None and model != self.model_name:
             raise not_found_model(model, [self.model_name])
-        if self.engine.num_waiting >= self.config.max_num_queued_requests:
-            raise too_many_requests(1)
         return self.serving
 
 
@@ -137,80 +183,83 @@ def build_app(config: ServerConfig) -> FastAPI:
         yield
         if state.engine is not None:
             state.engine.shutdown(timeout=5)
+        if state.pool is not None:
+            state.pool.shutdown()
 
     app = FastAPI(title="Pagoda", version=pagoda.__version__, lifespan=lifespan)
     app.state.pagoda = state
     install_error_handlers(app)
+    install_openapi(app)
+    # Outermost last: request id, CORS (its preflights need no key), API key, body limit, in-flight count.
     app.add_middleware(_InFlight, state=state)
+    limits = config.limits
+    app.add_middleware(BodyLimitMiddleware, max_bytes=limits.max_request_body_bytes, timeout=limits.http_body_timeout)
     app.add_middleware(ApiKeyMiddleware, api_keys=list(config.api_keys))
+    if config.allowed_origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(config.allowed_origins),
+            allow_credentials=config.allow_credentials,
+            allow_methods=["*"],
+            allow_headers=["*"],
+            expose_headers=["X-Request-Id"],
+        )
+    app.add_middleware(RequestIdMiddleware)
     _add_routes(app, state)
     return app
 
 
 def _add_routes(app: FastAPI, state: ServerState) -> None:
-    @app.get("/health")
-    async def health():
-        if state.load_error is not None or (state.engine is not None and not state.engine.is_alive):
-            return JSONResponse(
-                service_unavailable(state.load_error or "the engine loop stopped").body(), status_code=503
-            )
+    def route(method: str, path: str):
+        return getattr(app, method)(path, response_model=None, responses=route_responses(path))
+
+    @route("get", "/health")
+    async def health() -> Response:
+        if state.load_error is not None:
+            return service_unavailable(state.load_error).response()
+        if state.engine is not None and not state.engine.is_alive:
+            return service_unavailable(_ENGINE_STOPPED).response()
         return JSONResponse({"status": "ok"})
 
-    @app.get("/ready")
-    async def ready():
+    @route("get", "/ready")
+    async def ready() -> Response:
         if state.engine is None or state.draining or not state.engine.is_alive:
-            reason = "draining" if state.draining else (state.load_error or "loading")
+            reason = "draining" if state.draining else ("failed" if state.load_error or state.engine else "loading")
             return JSONResponse({"status": reason}, status_code=503)
         return JSONResponse({"status": "ready"})
 
-    @app.get("/metrics")
-    async def metrics():
+    @route("get", "/metrics")
+    async def metrics() -> Response:
         if state.metrics is None:
             return Response(b"", media_type="text/plain; version=0.0.4; charset=utf-8")
         payload, content_type = state.metrics.render()
         return Response(payload, media_type=content_type)
 
-    @app.get("/version")
-    async def version():
+    @route("get", "/version")
+    async def version() -> dict:
         return {"version": pagoda.__version__}
 
-    @app.get("/v1/models")
-    async def models():
+    @route("get", "/v1/models")
+    async def models() -> dict:
         max_len = state.engine.engine.max_model_len if state.engine is not None else None
         card = {"id": state.model_name, "object": "model", "created": int(state.started), "owned_by": "pagoda"}
         return {"object": "list", "data": [{**card, "root": state.model_name, "max_model_len": max_len}]}
 
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, raw: Request):
+    @route("post", "/v1/completions")
+    async def completions(body: CompletionRequest, raw: Request) -> Response:
         return await state.check_admission(body.model).completions(body, raw)
 
-    @app.post("/v1/chat/completions")
-    async def chat(body: ChatCompletionRequest, raw: Request):
+    @route("post", "/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest, raw: Request) -> Response:
         return await state.check_admission(body.model).chat(body, raw)
 
-    @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest):
-        serving = state.check_admission(body.model)
-        tokenizer = serving.tokenizer
-        if body.messages is not None:
-            try:
-                tokens = apply_chat_template(
-                    tokenizer, body.messages, serving.chat_template, body.add_generation_prompt
-                )
-            except ValueError as exc:
-                raise OpenAIError(400, str(exc), param="messages") from None
-        else:
-            tokens = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
-        return {"tokens": tokens, "count": len(tokens), "max_model_len": serving.engine.engine.max_model_len}
+    @route("post", "/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict:
+        return await state.check_admission(body.model).tokenize(body)
 
-    @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest):
-        serving = state.check_admission(body.model)
-        vocab = serving.engine.engine.model_config.vocab_size
-        bad = [t for t in body.tokens if not 0 <= t < vocab]
-        if bad:
-            raise OpenAIError(400, f"token ids must be in [0, {vocab}); got {bad[:5]}", param="tokens")
-        return {"prompt": serving.tokenizer.decode(body.tokens)}
+    @route("post", "/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict:
+        return await state.check_admission(body.model).detokenize(body)
 
 
 class _DrainingServer(uvicorn.Server):
@@ -243,7 +292,7 @@ class _DrainingServer(uvicorn.Server):
 
 
 def run_server(config: ServerConfig, log_level: str = "info") -> int:
-    """Serve until a signal; returns the process exit code."""
+    """Serve until a signal (exit status 0) or an engine failure (1); returns the exit status."""
     app = build_app(config)
     uv_config = uvicorn.Config(
         app,
@@ -252,7 +301,15 @@ def run_server(config: ServerConfig, log_level: str = "info") -> int:
         log_level=log_level,
         timeout_graceful_shutdown=int(config.shutdown_timeout) + 10,
         access_log=log_level == "debug",
+        http=header_timeout_protocol(config.limits.http_header_timeout),
     )
-    server = _DrainingServer(uv_config, app.state.pagoda)
+    state: ServerState = app.state.pagoda
+    server = _DrainingServer(uv_config, state)
+
+    def request_exit(code: int) -> None:
+        state.exit_code = code
+        server.should_exit = True  # uvicorn's main loop polls it
+
+    state.request_exit = request_exit
     server.run()
-    return 0
+    return state.exit_code

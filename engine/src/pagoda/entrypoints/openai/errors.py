@@ -93,9 +93,9 @@ def service_unavailable(message: str) -> OpenAIError:
     return OpenAIError(503, message, type="service_unavailable_error", code="service_unavailable")
 
 
-def internal_error() -> OpenAIError:
-    """500 with a generic message: the details stay in the server log."""
-    return OpenAIError(500, _INTERNAL_MESSAGE, type="internal_server_error")
+def internal_error(message: Optional[str] = None) -> OpenAIError:
+    """500 with a message that names no internals (a generic one by default): the details stay in the log."""
+    return OpenAIError(500, message or _INTERNAL_MESSAGE, type="internal_server_error")
 
 
 _SAMPLING_PARAM_NAMES = frozenset(
@@ -169,7 +169,8 @@ async def _http_exception_handler(request: Request, exc: Exception) -> JSONRespo
 
 
 async def _unhandled_exception_handler(request: Request, exc: Exception) -> JSONResponse:
-    logger.error("Unhandled error in %s %s", request.method, request.url.path, exc_info=exc)
+    request_id = request.scope.get("state", {}).get("request_id")
+    logger.error("request_id=%s: unhandled error in %s %s", request_id, request.method, request.url.path, exc_info=exc)
     return internal_error().response()
 
 
@@ -201,7 +202,14 @@ class CatchAllMiddleware:
         except Exception as exc:
             if started:
                 raise
-            logger.error("Unhandled error in %s %s", scope.get("method"), scope.get("path"), exc_info=exc)
+            request_id = scope.get("state", {}).get("request_id")
+            logger.error(
+                "request_id=%s: unhandled error in %s %s",
+                request_id,
+                scope.get("method"),
+                scope.get("path"),
+                exc_info=exc,
+            )
             await internal_error().response()(scope, receive, send)
 
 

@@ -1,19 +1,31 @@
 """Request models of the OpenAI-compatible API (pydantic v2) and their mapping to ``SamplingParams``.
 
 Field names and defaults follow the OpenAI API and vLLM's extensions. Unknown fields are ignored because
-OpenAI clients send fields this server does not use. Every invalid value fails validation with the field in
-the error location, which ``errors.install_error_handlers`` turns into a 400 naming that field.
+OpenAI clients send fields this server does not use. Types are strict, as OpenAI's are: ``echo: 0``,
+``max_tokens: 5.0`` or ``tokens: [false]`` are errors, not coerced. Every bound ``SamplingParams`` enforces is
+also a schema constraint here, so the served OpenAPI document states what the server accepts. Every invalid
+value fails validation with the field in the error location, which ``errors.install_error_handlers`` turns
+into a 400 naming that field.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Optional, Union
+from typing import Annotated, Any, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, WithJsonSchema, field_validator
 
 from pagoda.entrypoints.openai.errors import sampling_error
-from pagoda.sampling_params import RequestOutputKind, SamplingParams
+from pagoda.sampling_params import (
+    MAX_LOGIT_BIAS,
+    MAX_REPETITION_PENALTY,
+    MAX_SEED,
+    MAX_TEMPERATURE,
+    MIN_REPETITION_PENALTY,
+    MIN_SEED,
+    RequestOutputKind,
+    SamplingParams,
+)
 
 # vLLM's default --max-logprobs.
 MAX_LOGPROBS = 20
@@ -21,14 +33,49 @@ MAX_LOGPROBS = 20
 GENERATION_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 SUPPORTED_RESPONSE_FORMATS = ("text", "json_object")
 
-PromptInput = Union[str, list[str], list[int], list[list[int]]]
+
+def _json_integer(value: object) -> object:
+    """JSON Schema's integer: 5 and 5.0, never true or "5" (strict validation then rejects those)."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+# An integer as JSON Schema (and so the served document) defines it.
+Int = Annotated[int, BeforeValidator(_json_integer)]
+TokenId = Annotated[Int, Field(ge=0)]
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
+PromptInput = Union[
+    str,
+    Annotated[list[str], Field(min_length=1)],
+    TokenIds,
+    Annotated[list[TokenIds], Field(min_length=1)],
+]
 Prompt = Union[str, list[int]]
+_LOGIT_BIAS_SCHEMA = {
+    "type": "object",
+    "propertyNames": {"pattern": "^[0-9]+$"},
+    "additionalProperties": {"type": "number", "minimum": -MAX_LOGIT_BIAS, "maximum": MAX_LOGIT_BIAS},
+}
+_RESPONSE_FORMAT_SCHEMA = {
+    "type": "object",
+    "properties": {"type": {"type": "string", "enum": list(SUPPORTED_RESPONSE_FORMATS)}},
+    "required": ["type"],
+}
+
+
+def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"anyOf": [schema, {"type": "null"}], "default": None}
+
+
+# Strict types (no "1" for 1, no 0 for false), unknown fields ignored.
+_REQUEST_CONFIG = ConfigDict(extra="ignore", strict=True)
 
 
 class StreamOptions(BaseModel):
     """``stream_options``: whether a streamed response ends with a usage chunk."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = _REQUEST_CONFIG
 
     include_usage: bool = False
 
@@ -42,6 +89,8 @@ def _check_prompt(value: object) -> PromptInput:
     """One string, a list of strings, token ids, or a list of token-id lists; never empty lists."""
     if isinstance(value, str):
         return value
+    if isinstance(value, list):
+        value = [[_json_integer(t) for t in p] if isinstance(p, list) else _json_integer(p) for p in value]
     if not isinstance(value, list) or not value:
         raise ValueError("prompt must be a string, a non-empty list of strings, or (lists of) token ids")
     if all(isinstance(p, str) for p in value):
@@ -63,26 +112,44 @@ def _check_stop(value: object) -> Union[None, str, list[str]]:
     raise ValueError("stop must be a string or a list of strings")
 
 
+class ChatMessage(BaseModel):
+    """One chat message: a role and its content (a string, or text parts); other fields (``name``,
+    ``tool_calls``, ...) pass through to the chat template."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    role: str
+    content: Union[None, str, list[dict[str, Any]]] = None
+
+
+def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """The messages as the chat template takes them: only the fields the client sent."""
+    return [m.model_dump(exclude_unset=True) for m in messages]
+
+
 class _SamplingRequest(BaseModel):
     """The sampling fields completions and chat share, with vLLM's extensions."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = _REQUEST_CONFIG
 
     model: Optional[str] = None
-    temperature: Optional[float] = None
-    top_p: Optional[float] = None
-    top_k: Optional[int] = None
-    min_p: Optional[float] = None
-    n: int = Field(default=1, ge=1)
-    seed: Optional[int] = None
+    temperature: Optional[float] = Field(default=None, ge=0.0, le=MAX_TEMPERATURE)
+    top_p: Optional[float] = Field(default=None, gt=0.0, le=1.0)
+    top_k: Optional[Int] = Field(default=None, ge=-1)
+    min_p: Optional[float] = Field(default=None, ge=0.0, le=1.0)
+    n: Int = Field(default=1, ge=1)
+    seed: Optional[Int] = Field(default=None, ge=MIN_SEED, le=MAX_SEED)
     stop: Union[None, str, list[str]] = None
-    stop_token_ids: Optional[list[int]] = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: Optional[float] = None
-    logit_bias: Optional[dict[str, float]] = None
+    stop_token_ids: Optional[list[TokenId]] = None
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: Optional[float] = Field(default=None, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)
+    logit_bias: Annotated[
+        Optional[dict[str, Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]]],
+        WithJsonSchema(_nullable(_LOGIT_BIAS_SCHEMA)),
+    ] = None
     ignore_eos: bool = False
-    min_tokens: int = 0
+    min_tokens: Int = Field(default=0, ge=0)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     stream: bool = False
@@ -140,10 +207,10 @@ class CompletionRequest(_SamplingRequest):
     """``POST /v1/completions``."""
 
     prompt: PromptInput
-    max_tokens: Optional[int] = Field(default=16, ge=1)
-    logprobs: Optional[int] = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    max_tokens: Optional[Int] = Field(default=16, ge=1)
+    logprobs: Optional[Int] = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
-    suffix: Optional[str] = None
+    suffix: Annotated[Optional[str], WithJsonSchema({"type": "null", "description": "not supported"})] = None
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -181,24 +248,19 @@ class CompletionRequest(_SamplingRequest):
 class ChatCompletionRequest(_SamplingRequest):
     """``POST /v1/chat/completions``."""
 
-    messages: list[dict[str, Any]] = Field(min_length=1)
-    max_tokens: Optional[int] = Field(default=None, ge=1)
-    max_completion_tokens: Optional[int] = Field(default=None, ge=1)
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: Optional[Int] = Field(default=None, ge=1)
+    max_completion_tokens: Optional[Int] = Field(default=None, ge=1)
     logprobs: bool = False
-    top_logprobs: Optional[int] = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    response_format: Optional[dict[str, Any]] = None
-    tools: Optional[list[Any]] = None
-    tool_choice: Union[None, str, dict[str, Any]] = None
+    top_logprobs: Optional[Int] = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    # What the schema says is what is accepted today: no tools, and no grammar-constrained formats.
+    response_format: Annotated[Optional[dict[str, Any]], WithJsonSchema(_nullable(_RESPONSE_FORMAT_SCHEMA))] = None
+    tools: Annotated[Optional[list[Any]], WithJsonSchema(_nullable({"type": "array", "maxItems": 0}))] = None
+    tool_choice: Annotated[
+        Union[None, str, dict[str, Any]], WithJsonSchema(_nullable({"type": "string", "enum": ["none"]}))
+    ] = None
     # vLLM extension: whether the chat template appends the assistant turn's opening.
     add_generation_prompt: bool = True
-
-    @field_validator("messages")
-    @classmethod
-    def _messages_have_roles(cls, value: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        for i, message in enumerate(value):
-            if not isinstance(message.get("role"), str):
-                raise ValueError(f"messages[{i}] must have a string 'role'")
-        return value
 
     @field_validator("top_logprobs")
     @classmethod
@@ -248,17 +310,17 @@ class ChatCompletionRequest(_SamplingRequest):
 class TokenizeRequest(BaseModel):
     """``POST /tokenize``: exactly one of ``prompt`` or ``messages`` (rendered through the chat template)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = _REQUEST_CONFIG
 
     model: Optional[str] = None
     prompt: Optional[str] = None
-    messages: Optional[list[dict[str, Any]]] = Field(default=None, validate_default=True)
+    messages: Optional[list[ChatMessage]] = Field(default=None, min_length=1, validate_default=True)
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
     @field_validator("messages")
     @classmethod
-    def _exactly_one_input(cls, value: Optional[list[dict[str, Any]]], info: ValidationInfo) -> Any:
+    def _exactly_one_input(cls, value: Optional[list[ChatMessage]], info: ValidationInfo) -> Any:
         if "prompt" not in info.data:
             return value  # prompt itself was invalid; that error is the one to report
         if (info.data["prompt"] is None) == (value is None):
@@ -269,7 +331,7 @@ class TokenizeRequest(BaseModel):
 class DetokenizeRequest(BaseModel):
     """``POST /detokenize``."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = _REQUEST_CONFIG
 
     model: Optional[str] = None
-    tokens: list[int]
+    tokens: list[TokenId]
