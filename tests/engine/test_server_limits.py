@@ -3,6 +3,9 @@
 import asyncio
 import os
 import signal
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -157,3 +160,35 @@ def test_a_dead_worker_process_fails_one_call_and_the_pool_recovers() -> None:
         assert asyncio.run(main()) == get_tokenizer(builtin_model_path()).encode("Once")
     finally:
         pool.shutdown()
+
+
+WORKER_OWNER = """
+import time
+from pagoda.config import builtin_model_path
+from pagoda.entrypoints.openai.tokenizer_pool import TokenizerPool, TokenizerSpec
+
+pool = TokenizerPool(TokenizerSpec(str(builtin_model_path())), "process", size=2)
+pool.start().wait()
+print(" ".join(str(pid) for pid in pool._get_executor()._processes), flush=True)
+time.sleep(120)
+"""
+
+
+def test_worker_processes_never_outlive_the_server() -> None:
+    owner = subprocess.Popen([sys.executable, "-c", WORKER_OWNER], stdout=subprocess.PIPE, text=True)
+    workers = [int(pid) for pid in owner.stdout.readline().split()]
+    assert len(workers) == 2
+    owner.kill()  # SIGKILL: no shutdown code runs in the server
+    owner.wait()
+    deadline = time.monotonic() + 10
+    while any(_running(pid) for pid in workers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_running(pid) for pid in workers)
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return "\nState:\tZ" not in f.read()  # a zombie has exited
+    except FileNotFoundError:
+        return False

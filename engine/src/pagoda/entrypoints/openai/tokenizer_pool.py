@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing
+import os
 import threading
 from concurrent.futures import Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -58,6 +59,14 @@ _local = threading.local()
 def _init_worker(spec: TokenizerSpec) -> None:
     _local.spec = spec
     _local.tokenizer = get_tokenizer(spec.path)
+    parent = multiprocessing.parent_process()
+    if parent is not None:  # a worker process: never outlive the server, however it ends (SIGKILL included)
+        threading.Thread(target=_exit_with, args=(parent,), name="pagoda-parent-watch", daemon=True).start()
+
+
+def _exit_with(parent) -> None:
+    parent.join()  # returns when the parent process is gone
+    os._exit(0)
 
 
 def _tokenizer() -> Any:
@@ -120,10 +129,11 @@ class TokenizerPool:
         return _Starting([executor.submit(_ping) for _ in range(self.size)])
 
     def shutdown(self) -> None:
+        """Stop the workers (queued calls are cancelled; running ones, bounded by the prompt limits, finish)."""
         with self._lock:
             executor, self._executor = self._executor, None
         if executor is not None:
-            executor.shutdown(wait=False, cancel_futures=True)
+            executor.shutdown(wait=True, cancel_futures=True)
 
     async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of a prompt; ValueError if the tokenizer refuses it."""
