@@ -54,5 +54,5 @@ def test_help_states_each_default_once_and_never_as_none():
     assert result.returncode == 0
     text = " ".join(result.stdout.split())
     assert "(default: None)" not in text
-    assert "--tokenizer TOKENIZER tokenizer directory (default: the model's) --dtype" in text
+    assert "--tokenizer TOKENIZER tokenizer: the same forms as MODEL (default: the model's) --dtype" in text
     assert "--max-num-queued-requests MAX_NUM_QUEUED_REQUESTS" in text and "(default: 1024)" in text

@@ -177,9 +177,10 @@ def test_max_tokens_none_means_up_to_the_context_length(llm):
     assert len(out.outputs[0].token_ids) == 256 - 241
 
 
-def test_chat_needs_a_template_and_uses_one_when_given(llm):
-    with pytest.raises(ValueError, match="chat template"):
-        llm.chat([{"role": "user", "content": "Hi"}], greedy(4))
+def test_chat_uses_the_models_template_or_the_one_given(llm):
+    # the built-in model's own template opens a story with the messages' text
+    (own,) = llm.chat([{"role": "user", "content": "Once upon a time"}], greedy(4))
+    assert own.prompt_token_ids == [1, 403, 407, 261, 378]
     template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
     (out,) = llm.chat([{"role": "user", "content": "Once upon a time"}], greedy(4), chat_template=template)
     assert out.prompt_token_ids[-4:] == [403, 407, 261, 378]

@@ -47,9 +47,17 @@ def test_unknown_tokenizer_mode_is_rejected() -> None:
         get_tokenizer(MODEL_DIR, tokenizer_mode="mistral")
 
 
-def test_a_model_without_chat_template_needs_one_passed(tokenizer) -> None:
+def test_a_model_without_chat_template_needs_one_passed() -> None:
+    tokenizer = get_tokenizer(MODEL_DIR)
+    tokenizer.chat_template = None
     with pytest.raises(ValueError, match=r"this model has no chat template; pass chat_template=\.\.\."):
         apply_chat_template(tokenizer, [{"role": "user", "content": "hi"}])
+
+
+def test_the_builtin_model_turns_a_chat_into_a_story_opening(tokenizer) -> None:
+    messages = [{"role": "system", "content": "A story."}, {"role": "user", "content": "Once upon a time"}]
+    ids = apply_chat_template(tokenizer, messages)
+    assert ids[:2] == [1, 410] and tokenizer.decode(ids) == "<s> A story.\nOnce upon a time"
 
 
 def test_a_given_chat_template_is_rendered_and_tokenized_once(tokenizer) -> None:

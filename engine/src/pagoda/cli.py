@@ -10,6 +10,8 @@ import time
 from collections.abc import Sequence
 from typing import Optional
 
+from pagoda.cli_models import add_model_arg, add_model_commands
+from pagoda.cli_serve import add_serve_args, run_serve
 from pagoda.config import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_GPU_MEMORY_UTILIZATION,
@@ -18,14 +20,13 @@ from pagoda.config import (
     QUANTIZATIONS,
     EngineArgs,
 )
+from pagoda.startup_failure import report_startup_failure
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Engine flags, named like ``vllm serve``'s."""
-    parser.add_argument(
-        "model", nargs="?", default=None, help="local HF model directory (default: built-in stories260K)"
-    )
-    parser.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
+    add_model_arg(parser)
+    parser.add_argument("--tokenizer", default=None, help="tokenizer: the same forms as MODEL (default: the model's)")
     parser.add_argument(
         "--dtype",
         default="auto",
@@ -97,6 +98,8 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
     return EngineArgs(
         model=ns.model,
         tokenizer=ns.tokenizer,
+        revision=ns.revision,
+        download_dir=ns.download_dir,
         dtype=ns.dtype,
         device=ns.device,
         max_model_len=ns.max_model_len,
@@ -164,125 +167,6 @@ def _asdict(args: EngineArgs) -> dict:
     return {name: getattr(args, name) for name in args.__dataclass_fields__}
 
 
-def _serve(ns: argparse.Namespace) -> int:
-    import os
-
-    from pagoda.entrypoints.openai.api_server import ServerConfig, run_server
-    from pagoda.entrypoints.openai.auth import resolve_api_keys
-    from pagoda.entrypoints.openai.limits import ServerLimits
-
-    _reject_unsupported(ns)
-    limits = ServerLimits(**{name: getattr(ns, name) for name in ServerLimits.__dataclass_fields__})
-    config = ServerConfig(
-        engine_args=engine_args_from(ns),
-        host=ns.host,
-        port=ns.port,
-        served_model_name=ns.served_model_name,
-        api_keys=tuple(resolve_api_keys(ns.api_key or [], os.environ)),
-        max_num_queued_requests=ns.max_num_queued_requests,
-        shutdown_timeout=ns.shutdown_timeout,
-        limits=limits,
-        allowed_origins=tuple(ns.allowed_origins or ()),
-        allow_credentials=ns.allow_credentials,
-        tokenizer_pool_type=ns.tokenizer_pool_type,
-        tokenizer_pool_size=ns.tokenizer_pool_size,
-    )
-    # fail fast on bad flags, before binding the port
-    config.engine_args.validate()
-    limits.validate()
-    if config.max_num_queued_requests < 1:
-        raise ValueError("--max-num-queued-requests must be at least 1")
-    if config.tokenizer_pool_size < 1:
-        raise ValueError("--tokenizer-pool-size must be at least 1")
-    return run_server(config, ns.log_level)
-
-
-def _reject_unsupported(ns: argparse.Namespace) -> None:
-    """Flags of later features: parsed (so deployments can already set them) but refused clearly."""
-    if ns.tensor_parallel_size != 1:
-        raise ValueError("--tensor-parallel-size > 1 is not supported yet (single-device engine)")
-    if ns.enable_lora or ns.lora_modules or ns.max_loras is not None or ns.max_lora_rank is not None:
-        raise ValueError("LoRA (--enable-lora, --lora-modules, --max-loras, --max-lora-rank) is not supported yet")
-
-
-def _add_serve_args(serve: argparse.ArgumentParser) -> None:
-    from pagoda.entrypoints.openai.api_server import DEFAULT_MAX_NUM_QUEUED_REQUESTS, DEFAULT_SHUTDOWN_TIMEOUT
-    from pagoda.entrypoints.openai.tokenizer_pool import DEFAULT_POOL_SIZE, DEFAULT_POOL_TYPE, POOL_TYPES
-
-    serve.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 in a pod)")
-    serve.add_argument("--port", type=int, default=8000, help="port to bind")
-    serve.add_argument("--served-model-name", default=None, help="model name clients use (default: the model path)")
-    serve.add_argument(
-        "--api-key", action="append", help="require this bearer key (repeatable; env PAGODA_API_KEY, VLLM_API_KEY)"
-    )
-    serve.add_argument(
-        "--max-num-queued-requests",
-        type=int,
-        default=DEFAULT_MAX_NUM_QUEUED_REQUESTS,
-        help="sequences (prompts x n) that may wait for the engine; a request that would exceed it gets 429 with "
-        "Retry-After",
-    )
-    serve.add_argument(
-        "--shutdown-timeout",
-        type=float,
-        default=DEFAULT_SHUTDOWN_TIMEOUT,
-        help="seconds in-flight requests get to finish after SIGTERM",
-    )
-    _add_limit_args(serve)
-    serve.add_argument(
-        "--allowed-origins",
-        action="append",
-        default=None,
-        help="CORS: an origin browsers may call from (repeatable; '*' for any). Default: none, CORS off",
-    )
-    serve.add_argument("--allow-credentials", action="store_true", help="CORS: allow cookies and auth headers")
-    serve.add_argument(
-        "--tokenizer-pool-type",
-        default=DEFAULT_POOL_TYPE,
-        choices=list(POOL_TYPES),
-        help="where prompts are tokenized and chat templates rendered: worker processes or threads",
-    )
-    serve.add_argument(
-        "--tokenizer-pool-size", type=int, default=DEFAULT_POOL_SIZE, help="tokenizer workers (processes or threads)"
-    )
-    serve.add_argument("--tensor-parallel-size", type=int, default=1, help="not supported yet beyond 1")
-    serve.add_argument("--enable-lora", action="store_true", help="not supported yet")
-    serve.add_argument("--lora-modules", nargs="*", default=None, help="not supported yet")
-    serve.add_argument("--max-loras", type=int, default=None, help="not supported yet")
-    serve.add_argument("--max-lora-rank", type=int, default=None, help="not supported yet")
-
-
-def _add_limit_args(serve: argparse.ArgumentParser) -> None:
-    """One flag per field of ``ServerLimits``: what a single request may ask of the server."""
-    from pagoda.entrypoints.openai import limits as lim
-
-    chars_default = f"default: {lim.PROMPT_CHARS_PER_TOKEN} x max-model-len"
-    flags = [
-        ("--max-request-body-bytes", int, lim.DEFAULT_MAX_REQUEST_BODY_BYTES, "larger request bodies get 413"),
-        (
-            "--max-prompt-chars",
-            int,
-            None,
-            f"characters per prompt (a chat's messages together; each stop string), refused before tokenizing "
-            f"({chars_default})",
-        ),
-        ("--max-prompts-per-request", int, lim.DEFAULT_MAX_PROMPTS_PER_REQUEST, "prompts in one completions request"),
-        ("--max-messages", int, lim.DEFAULT_MAX_MESSAGES, "messages in one chat"),
-        ("--max-stop-sequences", int, lim.DEFAULT_MAX_STOP_SEQUENCES, "stop strings, and stop_token_ids, per request"),
-        ("--max-logit-bias", int, lim.DEFAULT_MAX_LOGIT_BIAS, "logit_bias entries per request"),
-        ("--max-n", int, lim.DEFAULT_MAX_N, "largest n (completions per prompt)"),
-        (
-            "--http-header-timeout",
-            float,
-            lim.DEFAULT_HTTP_HEADER_TIMEOUT,
-            "seconds for a request's line and headers to arrive; then 408 and the connection is closed",
-        ),
-        ("--http-body-timeout", float, lim.DEFAULT_HTTP_BODY_TIMEOUT, "seconds for a request body to arrive; then 408"),
-    ]
-    for flag, kind, default, text in flags:
-        serve.add_argument(flag, type=kind, default=default, help=text)
-
-
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Appends ``(default: X)`` only where the help text does not already say what the default is,
     and never ``(default: None)``: those flags' help explains what happens when they are left out."""
@@ -318,8 +202,9 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=_HelpFormatter,
     )
     add_engine_args(serve)
-    _add_serve_args(serve)
-    serve.set_defaults(handler=_serve)
+    add_serve_args(serve)
+    serve.set_defaults(handler=run_serve)
+    add_model_commands(sub, serve, _HelpFormatter)
     return parser
 
 
@@ -332,7 +217,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         return ns.handler(ns)
     except (ValueError, OSError) as exc:
-        print(f"pagoda: error: {exc}", file=sys.stderr)
+        # One line on stderr and in the termination message (kubectl describe): the reason, then the cause.
+        print(f"pagoda: error: {report_startup_failure(exc)}", file=sys.stderr)
         return 2
 
 

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib import resources
 from pathlib import Path
 from typing import Optional, Union
 
+from pagoda.capabilities import QUANTIZATION_DEVICES
+
 DEFAULT_BLOCK_SIZE = 16
-QUANTIZATIONS = ("int8",)  # weight-only int8 with per-output-channel scales (CPU)
+# weight-only int8 with per-output-channel scales (CPU); the devices of each are in pagoda.capabilities
+QUANTIZATIONS = tuple(QUANTIZATION_DEVICES)
 DEFAULT_MAX_NUM_SEQS = 256
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 DEFAULT_CPU_KV_CACHE_MEMORY = 4 * 1024**3
@@ -43,8 +46,10 @@ def parse_size(value: Union[int, str]) -> int:
 class EngineArgs:
     """Everything that configures an engine. ``None`` means "derive a sane default"."""
 
-    model: Optional[str] = None  # a local HF directory; None: the built-in stories260K
-    tokenizer: Optional[str] = None
+    model: Optional[str] = None  # local dir, HF id (org/name, hf://), s3://bucket/prefix; None: built-in stories260K
+    tokenizer: Optional[str] = None  # the same forms; None: the model's
+    revision: Optional[str] = None  # Hugging Face branch, tag or commit (a commit pins it)
+    download_dir: Optional[str] = None  # where downloads go (default: the Hugging Face cache, ~/.cache/pagoda/models)
     dtype: str = "auto"
     device: str = "auto"  # auto | cpu | cuda
     max_model_len: Optional[int] = None
@@ -63,13 +68,17 @@ class EngineArgs:
     quantization: Optional[str] = None  # None | int8 (weight-only, per-channel scales; CPU)
 
     def resolved_model_path(self) -> Path:
-        path = builtin_model_path() if self.model is None else Path(self.model).expanduser()
-        if not path.is_dir():
-            raise ValueError(
-                f"model {self.model!r} is not a local directory; pass the path of a Hugging Face "
-                "model directory (config.json + *.safetensors), or no model for the built-in stories260K"
-            )
-        return path
+        """The local folder of the model, downloading it first when it is remote (see ``pagoda.model_source``)."""
+        from pagoda.model_source import resolve_model
+
+        return resolve_model(self.model, self.revision, self.download_dir, builtin=builtin_model_path())
+
+    def with_local_paths(self) -> EngineArgs:
+        """A copy whose model and tokenizer are local folders (downloaded now if remote): resolve once, reuse."""
+        from pagoda.model_source import resolve_model
+
+        tokenizer = None if self.tokenizer is None else str(resolve_model(self.tokenizer, None, self.download_dir))
+        return replace(self, model=str(self.resolved_model_path()), tokenizer=tokenizer, revision=None)
 
     def validate(self) -> None:
         """Check the values that do not depend on the model."""

@@ -11,8 +11,10 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import hashlib
 import logging
 import os
+import platform
 import time
 from pathlib import Path
 
@@ -24,10 +26,24 @@ _SOURCES = ("packed_linear.cpp", "packed_linear_int8.cpp", "fused_ops.cpp", "pag
 
 
 def _build_dir() -> Path:
+    """One build per torch version and CPU: the kernels are compiled with -march=native, and a cache directory on a
+    volume shared by nodes with different CPUs must never hand one CPU's build to another (SIGILL)."""
     root = Path(os.environ.get("PAGODA_CACHE_DIR") or Path.home() / ".cache" / "pagoda")
-    path = root / "cpu_ops" / f"torch-{torch.__version__}"
+    path = root / "cpu_ops" / f"torch-{torch.__version__}" / _cpu_key()
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def _cpu_key() -> str:
+    """A short hash of the CPU's model name and feature flags (what -march=native compiles for)."""
+    identity = platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            lines = [line for line in f if line.startswith(("model name", "flags", "Features", "CPU part"))]
+        identity += "".join(sorted(set(lines)))
+    except OSError:
+        identity += platform.processor()
+    return hashlib.sha256(identity.encode()).hexdigest()[:16]
 
 
 @functools.cache

@@ -7,6 +7,7 @@ import logging
 import random
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional, Union
 
 import torch
@@ -52,8 +53,9 @@ class LLMEngine:
 
     def __init__(self, args: EngineArgs) -> None:
         args.validate()
+        args = args.with_local_paths()  # downloads a remote model (or finds it in the cache) first
         self.args = args
-        model_path = args.resolved_model_path()
+        model_path = Path(args.model)
         self.model_config = ModelConfig.from_model_dir(model_path)
         self.tokenizer = get_tokenizer(args.tokenizer or model_path)
         self.device = _resolve_device(args.device)

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Optional
 import torch
 from torch import nn
 
+from pagoda.capabilities import QUANTIZATION_DEVICES
 from pagoda.config import QUANTIZATIONS
 
 if TYPE_CHECKING:
@@ -233,8 +234,12 @@ def validate_quantization(quantization: Optional[str], device: torch.device) -> 
         return
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization {quantization!r} is not supported (supported: {', '.join(QUANTIZATIONS)})")
-    if device.type != "cpu":
-        raise ValueError("quantization 'int8' (weight-only) runs on the CPU only; drop it or use --device cpu")
+    devices = QUANTIZATION_DEVICES[quantization]
+    if device.type not in devices:
+        raise ValueError(
+            f"quantization {quantization!r} runs on {' and '.join(devices)} only, not {device.type}; "
+            f"drop it or use --device {devices[0]}"
+        )
 
 
 def onednn_packing_available(dtype: torch.dtype) -> bool:

@@ -10,6 +10,7 @@ from typing import Optional
 import torch
 
 from pagoda.config import DEFAULT_CPU_KV_CACHE_MEMORY
+from pagoda.startup_failure import InsufficientMemoryError
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +70,7 @@ def check_fits(num_blocks: int, shape: KVCacheShape, max_model_len: int, how_to_
     """Refuse to start when not even one max-length sequence fits in the KV cache."""
     num_tokens = num_blocks * shape.block_size
     if num_tokens < max_model_len:
-        raise ValueError(
+        raise InsufficientMemoryError(
             f"the KV cache holds {num_blocks} blocks = {num_tokens} tokens "
             f"({shape.bytes_per_block} bytes per block of {shape.block_size} tokens), fewer than one "
             f"sequence of max_model_len={max_model_len} tokens; {how_to_grow} or lower --max-model-len"

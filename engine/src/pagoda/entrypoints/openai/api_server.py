@@ -5,7 +5,9 @@ meanwhile, ``/ready`` 503 until it is loaded). Model compute runs on the engine 
 tokenizing on the tokenizer pool, never on the event loop. SIGTERM/SIGINT start a drain: ``/ready``
 and new requests answer 503, in-flight requests get ``--shutdown-timeout`` seconds to finish, the
 rest are aborted. If the engine loop itself fails (a device or process fault, never one request's
-input), ``/health`` turns 503, in-flight requests get 503 and the process exits with status 1.
+input), ``/health`` turns 503, in-flight requests get 503 and the process exits with status 1. If the model
+cannot be loaded, the reason goes to the termination message (see ``pagoda.startup_failure``) and the process
+exits with status 1.
 """
 
 from __future__ import annotations
@@ -28,6 +30,12 @@ from pagoda.config import EngineArgs
 from pagoda.engine.async_engine import AsyncLLMEngine
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.entrypoints.openai.auth import ApiKeyMiddleware
+from pagoda.entrypoints.openai.defaults import (
+    DEFAULT_MAX_NUM_QUEUED_REQUESTS,
+    DEFAULT_POOL_SIZE,
+    DEFAULT_POOL_TYPE,
+    DEFAULT_SHUTDOWN_TIMEOUT,
+)
 from pagoda.entrypoints.openai.errors import install_error_handlers, not_found_model, service_unavailable
 from pagoda.entrypoints.openai.http_guards import BodyLimitMiddleware, RequestIdMiddleware, header_timeout_protocol
 from pagoda.entrypoints.openai.limits import AdmissionControl, RequestChecker, ServerLimits
@@ -39,18 +47,12 @@ from pagoda.entrypoints.openai.protocol import (
     TokenizeRequest,
 )
 from pagoda.entrypoints.openai.serving import OpenAIServing
-from pagoda.entrypoints.openai.tokenizer_pool import (
-    DEFAULT_POOL_SIZE,
-    DEFAULT_POOL_TYPE,
-    TokenizerPool,
-    TokenizerSpec,
-)
+from pagoda.entrypoints.openai.tokenizer_pool import TokenizerPool, TokenizerSpec
 from pagoda.metrics import EngineMetrics
+from pagoda.startup_failure import report_startup_failure
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_NUM_QUEUED_REQUESTS = 1024
-DEFAULT_SHUTDOWN_TIMEOUT = 30.0
 _TRACKED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
 
 
@@ -99,10 +101,11 @@ class ServerState:
     def load(self) -> None:
         """Load the model, start the tokenizer pool and the engine thread (runs on a background thread)."""
         try:
-            args = self.config.engine_args
-            # The tokenizer workers start (a process each: seconds) while the model loads.
+            # A remote model is downloaded (or found in the cache) first; then the tokenizer workers start (a process
+            # each: seconds) while the model loads.
+            args = self.config.engine_args.with_local_paths()
             self.pool = TokenizerPool(
-                TokenizerSpec(args.tokenizer or str(args.resolved_model_path()), args.chat_template),
+                TokenizerSpec(args.tokenizer or str(args.model), args.chat_template),
                 self.config.tokenizer_pool_type,
                 self.config.tokenizer_pool_size,
             )
@@ -130,9 +133,12 @@ class ServerState:
             )
             self.engine = async_engine
             logger.info("model %s loaded; ready", self.model_name)
-        except Exception:  # reported by /health and /ready, and in the log
-            logger.exception("loading the model failed")
+        except Exception as exc:  # in the log, the termination message, /health and /ready; then exit 1
+            logger.error("loading the model failed: %s", report_startup_failure(exc), exc_info=exc)
             self.load_error = _LOAD_FAILED
+            self.exit_code = 1
+            if self.request_exit is not None:
+                self.request_exit(1)  # a pod that cannot load its model restarts (and says why) instead of idling
 
     def _engine_died(self, error: BaseException) -> None:
         """Engine thread, once: the loop failed. Every request has its 503; now exit non-zero so that

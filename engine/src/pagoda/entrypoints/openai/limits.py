@@ -12,20 +12,19 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Optional, Union
 
+from pagoda.entrypoints.openai.defaults import (
+    DEFAULT_HTTP_BODY_TIMEOUT,
+    DEFAULT_HTTP_HEADER_TIMEOUT,
+    DEFAULT_MAX_LOGIT_BIAS,
+    DEFAULT_MAX_MESSAGES,
+    DEFAULT_MAX_N,
+    DEFAULT_MAX_PROMPTS_PER_REQUEST,
+    DEFAULT_MAX_REQUEST_BODY_BYTES,
+    DEFAULT_MAX_STOP_SEQUENCES,
+    PROMPT_CHARS_PER_TOKEN,
+)
 from pagoda.entrypoints.openai.errors import OpenAIError, bad_request, too_many_requests
 from pagoda.tokenizer import iter_strings
-
-DEFAULT_MAX_REQUEST_BODY_BYTES = 8 * 1024 * 1024
-# No tokenizer we know averages more than a few characters per token on real text; 16 leaves room for
-# whitespace runs and long words, and a prompt that long is over max_model_len anyway.
-PROMPT_CHARS_PER_TOKEN = 16
-DEFAULT_MAX_PROMPTS_PER_REQUEST = 256
-DEFAULT_MAX_MESSAGES = 1024
-DEFAULT_MAX_STOP_SEQUENCES = 64
-DEFAULT_MAX_LOGIT_BIAS = 1024
-DEFAULT_MAX_N = 128
-DEFAULT_HTTP_HEADER_TIMEOUT = 10.0
-DEFAULT_HTTP_BODY_TIMEOUT = 30.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,13 +30,10 @@ from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from pagoda.entrypoints.openai.defaults import DEFAULT_POOL_SIZE, DEFAULT_POOL_TYPE, POOL_TYPES
 from pagoda.tokenizer import encode_prompt, get_tokenizer, render_chat_template
 
 logger = logging.getLogger(__name__)
-
-POOL_TYPES = ("process", "thread")
-DEFAULT_POOL_TYPE = "process"
-DEFAULT_POOL_SIZE = 1
 
 
 class TokenizerPoolError(RuntimeError):

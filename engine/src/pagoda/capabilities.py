@@ -1,0 +1,51 @@
+"""What this engine build can serve: the one capability contract between the engine and the operator.
+
+``pagoda capabilities --json`` prints :func:`capabilities`. The operator ships a copy
+(``pagoda_operator/engine_capabilities.json``) that a test holds equal to this output, and refuses every
+ModelDeployment outside it with ``InvalidSpec`` naming the field, before a pod starts. The engine's own checks read
+the same constants, so the contract cannot drift from what the code does. When a feature lands, it changes here
+first.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import pagoda
+
+CONTRACT_VERSION = 1
+MODEL_SOURCES = ("builtin", "local", "hf", "s3")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+# Quantization methods and the devices that run them (weight-only int8 has CPU kernels only).
+QUANTIZATION_DEVICES: dict[str, tuple[str, ...]] = {"int8": ("cpu",)}
+KV_CACHE_DTYPES = ("auto",)
+TENSOR_PARALLEL_MAX = 1  # a single device per replica
+LORA_SUPPORTED = False
+DEVICES = ("cpu", "cuda")
+
+
+def capabilities(serve_parser: argparse.ArgumentParser) -> dict[str, Any]:
+    """The contract as JSON-ready data; ``serve_parser`` is ``pagoda serve``'s, whose flags it lists."""
+    return {
+        "contract_version": CONTRACT_VERSION,
+        "engine_version": pagoda.__version__,
+        "model_sources": list(MODEL_SOURCES),
+        "dtypes": list(DTYPES),
+        "devices": {
+            device: {
+                "quantization": sorted(q for q, devices in QUANTIZATION_DEVICES.items() if device in devices),
+                "kv_cache_dtypes": list(KV_CACHE_DTYPES),
+                "tensor_parallel_max": TENSOR_PARALLEL_MAX,
+            }
+            for device in DEVICES
+        },
+        "lora": {"supported": LORA_SUPPORTED},
+        "chat_template": True,
+        "serve_flags": serve_flags(serve_parser),
+    }
+
+
+def serve_flags(parser: argparse.ArgumentParser) -> list[str]:
+    """Every long option the parser takes (``--x`` and ``--no-x`` of boolean flags)."""
+    return sorted(option for action in parser._actions for option in action.option_strings if option.startswith("--"))

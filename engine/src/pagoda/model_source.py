@@ -1,0 +1,226 @@
+"""Where a model's files come from, and getting them onto local disk.
+
+A model argument is one of:
+- nothing: the built-in stories260K;
+- a local directory (config.json, safetensors, tokenizer files);
+- a Hugging Face id, ``org/name`` or ``hf://org/name``: downloaded with ``huggingface_hub`` into its cache
+  (``--download-dir``, else ``HF_HUB_CACHE`` / ``HF_HOME``), with ``--revision`` (a commit pins it), ``HF_TOKEN``,
+  resumed downloads, a progress bar, and no network at all when the files are cached and ``PAGODA_OFFLINE=1`` (or
+  ``HF_HUB_OFFLINE=1``) is set; huggingface_hub also falls back to the cache when the Hub cannot be reached;
+- ``s3://bucket/prefix``: downloaded with boto3 (endpoint and credentials from the standard ``AWS_*`` variables)
+  into ``--download-dir`` (else ``$PAGODA_CACHE_DIR/models``, else ``~/.cache/pagoda/models``).
+
+Only the files the engine reads are fetched (weights, configs, tokenizer, chat template). Replicas that share one
+cache volume (ReadWriteMany) do not corrupt each other: huggingface_hub locks each file and renames complete
+downloads into place; the S3 download takes a lock on its folder and renames every file into place, and marks
+the folder complete only when every file is there. Every failure is a :class:`ModelSourceError` whose one-line
+message names the model and the cause, and whose ``reason`` says what kind of failure it was.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+logger = logging.getLogger(__name__)
+
+# What the engine reads from a model folder (root only: subfolders such as original/ hold other formats).
+MODEL_FILE_PATTERNS = (
+    "*.safetensors",
+    "*.safetensors.index.json",
+    "config.json",
+    "generation_config.json",
+    "quantize_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "*.tiktoken",
+    "chat_template.jinja",
+    "chat_template.json",
+    "adapter_config.json",
+)
+_HF_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
+_S3_COMPLETE = ".pagoda-complete.json"
+
+# Why a model could not be had; the names are the Degraded reasons the operator reports.
+MODEL_NOT_FOUND = "ModelNotFound"
+UNAUTHORIZED = "Unauthorized"
+OUT_OF_DISK = "OutOfDiskSpace"
+DOWNLOAD_FAILED = "ModelLoadFailed"
+
+
+class ModelSourceError(ValueError):
+    """The model's files could not be had; ``reason`` is one of the constants above."""
+
+    def __init__(self, reason: str, model: str, cause: str) -> None:
+        super().__init__(f"model {model!r}: {cause}")
+        self.reason = reason
+        self.model = model
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSource:
+    """A parsed model argument: ``kind`` is builtin, local, hf or s3; ``value`` the path, repo id or bucket/prefix."""
+
+    kind: str
+    value: str
+
+    @property
+    def bucket(self) -> str:
+        assert self.kind == "s3"
+        return self.value.partition("/")[0]
+
+    @property
+    def prefix(self) -> str:
+        assert self.kind == "s3"
+        return self.value.partition("/")[2].strip("/")
+
+
+def parse_model_source(text: Optional[str]) -> ModelSource:
+    """Classify a model argument; ValueError when it is none of the forms in the module docstring."""
+    if not text:
+        return ModelSource("builtin", "")
+    if text.startswith("s3://"):
+        bucket_and_prefix = text[len("s3://") :].strip("/")
+        if not bucket_and_prefix or bucket_and_prefix.startswith("/"):
+            raise ValueError(f"model {text!r}: expected s3://bucket/prefix")
+        return ModelSource("s3", bucket_and_prefix)
+    if text.startswith("hf://"):
+        repo_id = text[len("hf://") :].strip("/")
+        if not _HF_ID.match(repo_id):
+            raise ValueError(f"model {text!r}: expected hf://org/name")
+        return ModelSource("hf", repo_id)
+    path = Path(text).expanduser()
+    if path.is_dir():
+        return ModelSource("local", str(path))
+    if not text.startswith(("/", ".", "~")) and _HF_ID.match(text):
+        return ModelSource("hf", text)
+    raise ModelSourceError(
+        MODEL_NOT_FOUND, text, "not a local directory, a Hugging Face id (org/name) or an s3://bucket/prefix"
+    )
+
+
+def offline_mode() -> bool:
+    """Whether downloads are off: only files already cached may be used (``PAGODA_OFFLINE`` or ``HF_HUB_OFFLINE``)."""
+    return any(
+        os.environ.get(name, "").lower() in ("1", "true", "yes") for name in ("PAGODA_OFFLINE", "HF_HUB_OFFLINE")
+    )
+
+
+def resolve_model(
+    text: Optional[str],
+    revision: Optional[str] = None,
+    download_dir: Optional[str] = None,
+    offline: Optional[bool] = None,
+    builtin: Optional[Path] = None,
+) -> Path:
+    """The local folder holding the model's files, downloading them first when needed.
+
+    ``builtin`` is the folder of the built-in model (for a missing ``text``); ``offline`` defaults to
+    :func:`offline_mode`.
+    """
+    source = parse_model_source(text)
+    if source.kind == "builtin":
+        assert builtin is not None, "no built-in model folder given"
+        return builtin
+    if revision is not None and source.kind != "hf":
+        raise ValueError(f"model {text!r}: --revision applies to Hugging Face models only")
+    offline = offline_mode() if offline is None else offline
+    if source.kind == "local":
+        return Path(source.value)
+    if source.kind == "hf":
+        return _download_hf(source.value, revision, download_dir, offline)
+    from pagoda.model_source_s3 import download_s3  # boto3 is imported only for S3 models
+
+    return download_s3(source, _s3_root(download_dir), offline)
+
+
+def _s3_root(download_dir: Optional[str]) -> Path:
+    if download_dir:
+        return Path(download_dir)
+    cache = os.environ.get("PAGODA_CACHE_DIR")
+    return Path(cache) / "models" if cache else Path.home() / ".cache" / "pagoda" / "models"
+
+
+def _download_hf(repo_id: str, revision: Optional[str], download_dir: Optional[str], offline: bool) -> Path:
+    import huggingface_hub
+    from huggingface_hub import errors as hf_errors
+
+    where = f" at revision {revision}" if revision else ""
+    logger.info("model %s%s: fetching from the Hugging Face Hub (or its cache)", repo_id, where)
+    try:
+        folder = huggingface_hub.snapshot_download(
+            repo_id,
+            revision=revision,
+            cache_dir=download_dir,
+            allow_patterns=list(MODEL_FILE_PATTERNS),
+            ignore_patterns=["*/*"],
+            local_files_only=offline,
+        )
+    except hf_errors.GatedRepoError:
+        raise ModelSourceError(
+            UNAUTHORIZED, repo_id, "the Hub refused access: the model is gated; set HF_TOKEN"
+        ) from None
+    except hf_errors.RepositoryNotFoundError as exc:
+        raise _repository_error(repo_id, exc) from None
+    except hf_errors.RevisionNotFoundError:
+        raise ModelSourceError(MODEL_NOT_FOUND, repo_id, f"revision {revision!r} does not exist on the Hub") from None
+    except hf_errors.LocalEntryNotFoundError as exc:
+        raise _unreachable(repo_id, exc, offline) from None
+    except hf_errors.HfHubHTTPError as exc:
+        status = exc.response.status_code if exc.response is not None else None
+        if status in (401, 403):  # a token the Hub does not know, or one without access
+            raise ModelSourceError(UNAUTHORIZED, repo_id, f"the Hub refused the token (HTTP {status})") from None
+        raise ModelSourceError(DOWNLOAD_FAILED, repo_id, f"the Hub answered HTTP {status}") from None
+    except OSError as exc:
+        raise _os_error(repo_id, exc) from None
+    except Exception as exc:  # the HTTP client's own errors (a connection lost mid-file, a timeout)
+        raise ModelSourceError(DOWNLOAD_FAILED, repo_id, f"the download failed: {type(exc).__name__}: {exc}") from None
+    path = Path(folder)
+    if not (path / "config.json").is_file():
+        raise ModelSourceError(MODEL_NOT_FOUND, repo_id, "the repository has no config.json: not a model")
+    return path
+
+
+def _repository_error(repo_id: str, exc: Exception) -> ModelSourceError:
+    # The Hub answers 401 for a private repository without (or with a wrong) token, 404 for one that does not exist.
+    response = getattr(exc, "response", None)
+    if response is not None and response.status_code in (401, 403):
+        cause = "the Hub refused access (HTTP 401): the model is private or gated; set HF_TOKEN to a token with access"
+        return ModelSourceError(UNAUTHORIZED, repo_id, cause)
+    return ModelSourceError(MODEL_NOT_FOUND, repo_id, "no such model on the Hugging Face Hub")
+
+
+def _unreachable(repo_id: str, exc: Exception, offline: bool) -> ModelSourceError:
+    if offline:
+        return ModelSourceError(MODEL_NOT_FOUND, repo_id, "not in the local cache, and downloads are off (offline)")
+    cause = exc.__cause__ or exc.__context__
+    detail = f" ({type(cause).__name__})" if cause is not None else ""
+    return ModelSourceError(
+        DOWNLOAD_FAILED, repo_id, f"cannot reach the Hugging Face Hub{detail}, and it is not cached"
+    )
+
+
+def _os_error(model: str, exc: OSError) -> ModelSourceError:
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return ModelSourceError(OUT_OF_DISK, model, f"no space left on the download volume ({exc.filename or ''})")
+    return ModelSourceError(DOWNLOAD_FAILED, model, f"{exc.strerror or type(exc).__name__} ({exc.filename or ''})")
+
+
+def read_completion_marker(folder: Path) -> Optional[dict]:
+    """The manifest a finished S3 download leaves in its folder, or None (never finished, or a partial write)."""
+    try:
+        return json.loads((folder / _S3_COMPLETE).read_text())
+    except (OSError, ValueError):
+        return None
