@@ -39,6 +39,8 @@ def test_engine_image_is_cuda_with_torch_and_serves() -> None:
     assert any("nvidia/cuda" in a for op, a in steps if op == "ARG")
     assert any("requirements/torch.txt" in a for op, a in steps if op == "RUN")
     assert args["ENTRYPOINT"] == '["pagoda", "serve"]'
+    # the native CPU kernels are compiled on the node, for its CPU: the image needs a C++ compiler
+    assert any("g++" in a for op, a in steps if op == "RUN")
 
 
 def test_operator_image_has_no_torch_and_runs_kopf() -> None:
@@ -73,5 +75,8 @@ def test_operator_installs_and_imports_in_a_fresh_venv(tmp_path: Path) -> None:
     if install.returncode != 0 and "No matching distribution" in install.stderr + install.stdout:
         pytest.skip(f"no package index reachable: {install.stderr[-300:]}")
     assert install.returncode == 0, install.stderr
-    check = "import importlib.util, pagoda_operator.main; assert importlib.util.find_spec('torch') is None"
+    check = (
+        "import importlib.util, pagoda_operator.main; assert importlib.util.find_spec('torch') is None; "
+        "from pagoda_operator.capabilities import engine_capabilities; assert engine_capabilities()['serve_flags']"
+    )
     subprocess.run([str(python), "-c", check], check=True, timeout=60)

@@ -17,6 +17,7 @@ import kopf
 
 from pagoda_operator.builders import Owner, build_deployment, build_hpa, build_service, selector_labels, selector_string
 from pagoda_operator.builders.service import endpoint_url
+from pagoda_operator.capabilities import check_capabilities
 from pagoda_operator.constants import API_VERSION, PLURAL
 from pagoda_operator.kube import KubeClient, object_path, path_of
 from pagoda_operator.spec import InvalidSpec, ModelDeploymentSpec, parse_spec
@@ -93,6 +94,13 @@ def _report_invalid(body: Mapping[str, Any], error: InvalidSpec, reported: dict[
     reported["invalid"] = str(error)
 
 
+def validated_spec(body: Mapping[str, Any]) -> ModelDeploymentSpec:
+    """The parsed spec, if this engine can serve it (its capability contract); else ``InvalidSpec``."""
+    spec = parse_spec(body)
+    check_capabilities(spec)
+    return spec
+
+
 async def observe(
     kube: KubeClient,
     body: Mapping[str, Any],
@@ -130,7 +138,7 @@ async def reconcile(
     error: Optional[InvalidSpec] = None
     endpoint: Optional[str] = None
     try:
-        spec = parse_spec(body)
+        spec = validated_spec(body)
     except InvalidSpec as exc:
         error = exc
         _report_invalid(body, exc, {} if reported is None else reported)
@@ -151,7 +159,7 @@ async def refresh_owner_status(kube: KubeClient, namespace: str, name: str) -> N
     error: Optional[InvalidSpec] = None
     endpoint: Optional[str] = None
     try:
-        endpoint = endpoint_url(parse_spec(body), Owner.from_body(body))
+        endpoint = endpoint_url(validated_spec(body), Owner.from_body(body))
     except InvalidSpec as exc:
         error = exc
     status = await observe(kube, body, error, endpoint, datetime.datetime.now(datetime.UTC))

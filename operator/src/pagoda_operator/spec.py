@@ -14,11 +14,12 @@ from typing import Any, Optional
 
 from pagoda_operator.constants import DEFAULT_ENGINE_IMAGE
 
-GPU_ONLY_QUANTIZATIONS = frozenset({"awq", "gptq", "fp8", "bitsandbytes"})
+GPU_ONLY_QUANTIZATIONS = frozenset({"awq", "gptq", "fp8"})
 CPU_ONLY_QUANTIZATIONS = frozenset({"int8"})  # the engine's weight-only int8 kernels are CPU kernels
 _HF_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
 _ADAPTER_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*$")
 _PVC_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+_S3_URL = re.compile(r"^s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/[^\s]*)?$")
 
 
 class InvalidSpec(ValueError):
@@ -32,11 +33,41 @@ class InvalidSpec(ValueError):
 
 @dataclass(slots=True, frozen=True)
 class ModelSource:
-    """Where weights come from: ``kind`` is ``builtin``, ``hf`` (a Hugging Face id), ``pvc`` or ``path``."""
+    """Where weights come from: ``kind`` is ``builtin``, ``hf`` (a Hugging Face id), ``s3``, ``pvc`` or ``path``."""
 
     kind: str
-    value: str  # the HF id, the absolute path inside the image, or the path inside the claim
+    value: str  # the HF id, the s3:// URL, the absolute path inside the image, or the path inside the claim
     claim: Optional[str] = None  # only for kind == "pvc"
+
+    @property
+    def downloaded(self) -> bool:
+        """Whether the files are fetched into the model cache before the engine starts (Hub and S3 models)."""
+        return self.kind in ("hf", "s3")
+
+
+@dataclass(slots=True, frozen=True)
+class SecretKey:
+    """One key of a Secret."""
+
+    name: str
+    key: str
+
+
+@dataclass(slots=True, frozen=True)
+class S3Settings:
+    """Where an s3:// source is read from; credentials from a Secret's AWS_* keys, else the pod's identity."""
+
+    endpoint_url: Optional[str] = None
+    region: Optional[str] = None
+    credentials_secret: Optional[str] = None
+
+
+@dataclass(slots=True, frozen=True)
+class ChatTemplate:
+    """A chat template given inline, or as one key of a ConfigMap (mounted as a file)."""
+
+    inline: Optional[str] = None
+    config_map: Optional[SecretKey] = None  # (name, key) of the ConfigMap
 
 
 @dataclass(slots=True, frozen=True)
@@ -75,6 +106,10 @@ class ModelDeploymentSpec:
 
     model: ModelSource
     served_model_name: str
+    revision: Optional[str] = None
+    hf_token: Optional[SecretKey] = None
+    s3: S3Settings = field(default_factory=S3Settings)
+    chat_template: Optional[ChatTemplate] = None
     image: str = DEFAULT_ENGINE_IMAGE
     image_pull_policy: str = "IfNotPresent"
     extra_args: tuple[str, ...] = ()
@@ -122,6 +157,10 @@ def parse_source(text: Optional[str], field_path: str) -> ModelSource:
         return ModelSource(kind="pvc", value=path.strip("/"), claim=claim)
     if text.startswith("/"):
         return ModelSource(kind="path", value=text)
+    if text.startswith("s3://"):
+        if not _S3_URL.match(text):
+            raise InvalidSpec(field_path, f"{text!r}: expected s3://<bucket>/<prefix>")
+        return ModelSource(kind="s3", value=text.rstrip("/"))
     hf_id = text[len("hf://") :] if text.startswith("hf://") else text
     if not _HF_ID.match(hf_id):
         raise InvalidSpec(field_path, f"{text!r} is neither pvc://claim/path, an absolute path, nor a Hugging Face id")
@@ -173,6 +212,38 @@ def _parse_cache(raw: Mapping[str, Any]) -> ModelCache:
     return cache
 
 
+def _parse_model(model: Mapping[str, Any]) -> dict[str, Any]:
+    """The model's source and how to fetch it (mirrors the CRD's CEL rules on spec.model)."""
+    source = parse_source(model.get("source"), "spec.model.source")
+    revision = model.get("revision")
+    if revision is not None and source.kind != "hf":
+        raise InvalidSpec("spec.model.revision", "applies to Hugging Face sources only")
+    raw_s3 = model.get("s3")
+    if raw_s3 is not None and source.kind != "s3":
+        raise InvalidSpec("spec.model.s3", "applies to s3:// sources only")
+    raw_s3 = raw_s3 or {}
+    token = model.get("hfTokenSecretRef")
+    return {
+        "model": source,
+        "revision": revision,
+        "hf_token": SecretKey(token["name"], str(token.get("key", "token"))) if token else None,
+        "s3": S3Settings(
+            endpoint_url=raw_s3.get("endpointUrl"),
+            region=raw_s3.get("region"),
+            credentials_secret=(raw_s3.get("credentialsSecretRef") or {}).get("name"),
+        ),
+    }
+
+
+def _parse_chat_template(raw: Optional[Mapping[str, Any]]) -> Optional[ChatTemplate]:
+    if raw is None:
+        return None
+    ref = raw.get("configMapKeyRef")
+    if (raw.get("inline") is None) == (ref is None):
+        raise InvalidSpec("spec.engine.chatTemplate", "set exactly one of inline and configMapKeyRef")
+    return ChatTemplate(inline=raw.get("inline"), config_map=SecretKey(ref["name"], ref["key"]) if ref else None)
+
+
 def parse_spec(body: Mapping[str, Any]) -> ModelDeploymentSpec:
     """Validate and freeze ``body['spec']``; raises ``InvalidSpec`` naming the first bad field."""
     spec = body.get("spec") or {}
@@ -192,8 +263,9 @@ def parse_spec(body: Mapping[str, Any]) -> ModelDeploymentSpec:
     api_key = spec.get("apiKeySecretRef") or {}
     service = spec.get("service") or {}
     return ModelDeploymentSpec(
-        model=parse_source(model.get("source"), "spec.model.source"),
+        **_parse_model(model),
         served_model_name=str(model.get("servedModelName") or name),
+        chat_template=_parse_chat_template(engine.get("chatTemplate")),
         image=str(engine.get("image") or DEFAULT_ENGINE_IMAGE),
         image_pull_policy=str(engine.get("imagePullPolicy", "IfNotPresent")),
         extra_args=tuple(str(a) for a in engine.get("extraArgs") or ()),

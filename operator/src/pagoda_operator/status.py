@@ -1,13 +1,16 @@
 """The ModelDeployment status, computed from what is observed: the spec's validity, the Deployment, its pods.
 
 Conditions: ``Ready`` (every wanted replica serves), ``Progressing`` (a rollout or scale-up is under way) and
-``Degraded`` (something needs a human: InvalidSpec, ModelLoadFailed when the engine crash-loops, ImagePullBackOff).
+``Degraded`` (something needs a human: InvalidSpec; the start-up reason an engine or model download reported in its
+termination message, such as ModelNotFound, Unauthorized or OutOfMemory; ModelLoadFailed for any other crash loop;
+ImagePullBackOff).
 ``lastTransitionTime`` only changes when a condition's status changes.
 """
 
 from __future__ import annotations
 
 import datetime
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -16,6 +19,16 @@ from pagoda_operator.spec import InvalidSpec
 
 _PULL_FAILURES = frozenset({"ImagePullBackOff", "ErrImagePull", "InvalidImageName"})
 _CRASH_FAILURES = frozenset({"CrashLoopBackOff"})
+# What the engine's termination message starts with (pagoda.startup_failure): "REASON: cause".
+STARTUP_REASONS = (
+    "ModelNotFound",
+    "Unauthorized",
+    "OutOfMemory",
+    "OutOfDiskSpace",
+    "UnsupportedSpec",
+    "ModelLoadFailed",
+)
+_REASON_LINE = re.compile(rf"^({'|'.join(STARTUP_REASONS)}): (.*)$", re.DOTALL)
 
 
 @dataclass(slots=True, frozen=True)
@@ -29,21 +42,47 @@ class Condition:
 
 
 def pod_failure(pods: Sequence[Mapping[str, Any]]) -> Optional[Condition]:
-    """A Degraded condition when an engine container cannot pull its image or keeps crashing, else None."""
+    """A Degraded condition when a pod cannot pull its image, or its model download or engine keeps failing.
+
+    The engine and ``pagoda download`` end a failed start with a termination message ``REASON: cause`` (reasons in
+    ``STARTUP_REASONS``), which becomes the condition's reason; the kubelet's ``OOMKilled`` becomes OutOfMemory; any
+    other crash loop is ModelLoadFailed with whatever message the container left (its last log lines).
+    """
     for pod in pods:
         name = (pod.get("metadata") or {}).get("name", "?")
-        for container in (pod.get("status") or {}).get("containerStatuses") or []:
-            waiting = (container.get("state") or {}).get("waiting") or {}
-            reason = waiting.get("reason")
-            if reason in _PULL_FAILURES:
-                message = (
-                    f"pod {name}: cannot pull image {container.get('image', '')}: {waiting.get('message', reason)}"
-                )
-                return Condition("Degraded", True, "ImagePullBackOff", message)
-            if reason in _CRASH_FAILURES:
-                last = ((container.get("lastState") or {}).get("terminated") or {}).get("message", "")
-                message = f"pod {name}: the engine exits while loading or serving the model (CrashLoopBackOff) {last}"
-                return Condition("Degraded", True, "ModelLoadFailed", message.strip())
+        status = pod.get("status") or {}
+        containers = [*(status.get("initContainerStatuses") or []), *(status.get("containerStatuses") or [])]
+        for container in containers:
+            condition = _container_failure(name, container)
+            if condition is not None:
+                return condition
+    return None
+
+
+def _container_failure(pod: str, container: Mapping[str, Any]) -> Optional[Condition]:
+    state = container.get("state") or {}
+    waiting = state.get("waiting") or {}
+    if waiting.get("reason") in _PULL_FAILURES:
+        message = (
+            f"pod {pod}: cannot pull image {container.get('image', '')}: {waiting.get('message', waiting['reason'])}"
+        )
+        return Condition("Degraded", True, "ImagePullBackOff", message)
+    if "running" in state:
+        return None  # started again (maybe recovering); an earlier failure in lastState is history now
+    terminated = state.get("terminated") or (container.get("lastState") or {}).get("terminated") or {}
+    crash_looping = waiting.get("reason") in _CRASH_FAILURES
+    if not crash_looping and (not terminated or terminated.get("exitCode") == 0):
+        return None
+    where = f"pod {pod}, container {container.get('name', '?')}"
+    match = _REASON_LINE.match(terminated.get("message") or "")
+    if match:
+        return Condition("Degraded", True, match.group(1), f"{where}: {match.group(2).strip()}")
+    if terminated.get("reason") == "OOMKilled":
+        return Condition("Degraded", True, "OutOfMemory", f"{where}: killed for exceeding its memory limit (OOMKilled)")
+    if crash_looping:
+        last = " ".join((terminated.get("message") or "").split())[-500:]
+        message = f"{where}: exits while loading or serving the model (CrashLoopBackOff) {last}"
+        return Condition("Degraded", True, "ModelLoadFailed", message.strip())
     return None
 
 

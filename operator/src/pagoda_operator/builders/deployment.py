@@ -1,5 +1,10 @@
 """The engine Deployment: args from the spec, probes, volumes, GPU resources, placement and a graceful drain.
 
+Hub and S3 models are fetched by an init container (``pagoda download``, same image) into the model cache before
+the engine starts, so the engine's startup probe never counts download time and the engine itself runs offline
+(``PAGODA_OFFLINE=1``: only the cached files). Both containers report a failure as a one-line termination message
+(``REASON: cause``), which the status turns into a ``Degraded`` reason.
+
 Replicas rule (GitOps friendly): with autoscaling off, ``spec.replicas`` is written to the Deployment on every
 reconcile. With autoscaling on, the autoscaler owns ``Deployment.spec.replicas``: the builder writes replicas only
 when the Deployment is created (``include_replicas=True``, set to ``minReplicas``) and omits the field afterwards, so
@@ -8,7 +13,9 @@ a reconcile never undoes a scaling decision.
 
 from __future__ import annotations
 
-from typing import Any
+import math
+from collections.abc import Mapping
+from typing import Any, Optional
 
 from pagoda_operator.builders.meta import Owner, child_labels, child_metadata, selector_labels
 from pagoda_operator.constants import ENGINE_PORT, PRESTOP_SLEEP_SECONDS
@@ -16,15 +23,23 @@ from pagoda_operator.spec import ModelDeploymentSpec, ModelSource
 
 CACHE_MOUNT = "/var/cache/pagoda"
 PVC_MOUNT_ROOT = "/mnt/pvc"
+CHAT_TEMPLATE_MOUNT = "/etc/pagoda/chat-template"
 # Extra seconds past preStop + the engine's shutdown timeout before the kubelet sends SIGKILL.
 GRACE_MARGIN_SECONDS = 10
 
 
 def source_argument(source: ModelSource) -> str:
-    """The engine's view of a source: the mount path for pvc://, else the path or the Hugging Face id."""
+    """The engine's view of a source: the mount path for pvc://, else the path, the Hugging Face id or the s3:// URL."""
     if source.kind == "pvc":
         return f"{PVC_MOUNT_ROOT}/{source.claim}/{source.value}"
     return source.value
+
+
+def model_arguments(spec: ModelDeploymentSpec) -> list[str]:
+    """MODEL and --revision, as both ``pagoda download`` and ``pagoda serve`` take them."""
+    if spec.model.kind == "builtin":
+        return []
+    return [source_argument(spec.model)] + (["--revision", spec.revision] if spec.revision else [])
 
 
 def _flag(args: list[str], name: str, value: object) -> None:
@@ -34,9 +49,7 @@ def _flag(args: list[str], name: str, value: object) -> None:
 
 def engine_args(spec: ModelDeploymentSpec) -> list[str]:
     """Arguments after ``pagoda serve``; vLLM-compatible flag names."""
-    args: list[str] = []
-    if spec.model.kind != "builtin":
-        args.append(source_argument(spec.model))
+    args = model_arguments(spec)
     args += ["--host", "0.0.0.0", "--port", str(ENGINE_PORT), "--served-model-name", spec.served_model_name]
     _flag(args, "--max-model-len", spec.max_model_len)
     _flag(args, "--max-num-seqs", spec.max_num_seqs)
@@ -53,6 +66,9 @@ def engine_args(spec: ModelDeploymentSpec) -> list[str]:
         args += [f"{a.name}={source_argument(a.source)}" for a in spec.lora_adapters]
         _flag(args, "--max-loras", spec.max_loras)
         _flag(args, "--max-lora-rank", spec.max_lora_rank)
+    template = spec.chat_template
+    if template is not None:
+        args += ["--chat-template", template.inline or f"{CHAT_TEMPLATE_MOUNT}/{template.config_map.key}"]
     args += ["--shutdown-timeout", str(spec.shutdown_timeout_seconds)]
     return args + list(spec.extra_args)
 
@@ -71,15 +87,62 @@ def _volumes(spec: ModelDeploymentSpec) -> tuple[list[dict[str, Any]], list[dict
         name = f"pvc-{index}"
         volumes.append({"name": name, "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
         mounts.append({"name": name, "mountPath": f"{PVC_MOUNT_ROOT}/{claim}", "readOnly": True})
+    template = spec.chat_template
+    if template is not None and template.config_map is not None:
+        ref = template.config_map
+        volumes.append(
+            {"name": "chat-template", "configMap": {"name": ref.name, "items": [{"key": ref.key, "path": ref.key}]}}
+        )
+        mounts.append({"name": "chat-template", "mountPath": CHAT_TEMPLATE_MOUNT, "readOnly": True})
     return volumes, mounts
 
 
+def _source_env(spec: ModelDeploymentSpec) -> list[dict[str, Any]]:
+    """Where models are cached and how to reach their source: what the downloader and the engine share."""
+    env: list[dict[str, Any]] = [
+        {"name": "HF_HOME", "value": f"{CACHE_MOUNT}/huggingface"},
+        # downloaded S3 models and the engine's compiled CPU kernels (per CPU model) live on the cache volume too
+        {"name": "PAGODA_CACHE_DIR", "value": CACHE_MOUNT},
+    ]
+    if spec.hf_token is not None:
+        ref = {"name": spec.hf_token.name, "key": spec.hf_token.key}
+        env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": ref}})
+    if spec.s3.endpoint_url:
+        env.append({"name": "AWS_ENDPOINT_URL_S3", "value": spec.s3.endpoint_url})
+    if spec.s3.region:
+        env.append({"name": "AWS_REGION", "value": spec.s3.region})
+    return env
+
+
 def _env(spec: ModelDeploymentSpec) -> list[dict[str, Any]]:
-    env: list[dict[str, Any]] = [{"name": "HF_HOME", "value": f"{CACHE_MOUNT}/huggingface"}]
+    env = _source_env(spec)
+    if spec.model.downloaded:
+        env.append({"name": "PAGODA_OFFLINE", "value": "1"})  # the init container fetched it: no network at start
+    threads = cpu_threads(spec.resources)
+    user_names = {item.get("name") for item in spec.env}
+    if threads is not None and "OMP_NUM_THREADS" not in user_names:
+        # torch sizes its thread pool from the node's cores, not the container's CPU limit: 64 threads fighting
+        # over a 2-CPU quota are far slower than 2.
+        env.append({"name": "OMP_NUM_THREADS", "value": str(threads)})
     if spec.api_key_secret_name:
         ref = {"name": spec.api_key_secret_name, "key": spec.api_key_secret_key}
         env.append({"name": "PAGODA_API_KEY", "valueFrom": {"secretKeyRef": ref}})
     return env + [dict(item) for item in spec.env]
+
+
+def cpu_threads(resources: Mapping[str, Any]) -> Optional[int]:
+    """Whole CPUs of the container's CPU limit, rounded up (at least 1); None without a limit."""
+    limit = (resources.get("limits") or {}).get("cpu")
+    if limit is None:
+        return None
+    text = str(limit)
+    cpus = float(text[:-1]) / 1000 if text.endswith("m") else float(text)
+    return max(1, math.ceil(cpus))
+
+
+def _env_from(spec: ModelDeploymentSpec) -> list[dict[str, Any]]:
+    secret = spec.s3.credentials_secret
+    return [{"secretRef": {"name": secret}}] if secret else []  # AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, ...
 
 
 def _resources(spec: ModelDeploymentSpec) -> dict[str, Any]:
@@ -106,9 +169,11 @@ def _probe(path: str, period: int, failures: int) -> dict[str, Any]:
     }
 
 
+_SECURITY_CONTEXT = {"allowPrivilegeEscalation": False, "runAsNonRoot": True, "capabilities": {"drop": ["ALL"]}}
+
+
 def _container(spec: ModelDeploymentSpec) -> dict[str, Any]:
-    volumes_mounts = _volumes(spec)[1]
-    return {
+    container = {
         "name": "engine",
         "image": spec.image,
         "imagePullPolicy": spec.image_pull_policy,
@@ -117,18 +182,41 @@ def _container(spec: ModelDeploymentSpec) -> dict[str, Any]:
         "env": _env(spec),
         "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}],
         "resources": _resources(spec),
-        "volumeMounts": volumes_mounts,
+        "volumeMounts": _volumes(spec)[1],
         # Loading a large model may take many minutes: the startup probe allows 30 of them before liveness counts.
         "startupProbe": _probe("/ready", 10, 180),
         "readinessProbe": _probe("/ready", 5, 3),
         "livenessProbe": _probe("/health", 10, 3),
         "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRESTOP_SLEEP_SECONDS)]}}},
-        "securityContext": {
-            "allowPrivilegeEscalation": False,
-            "runAsNonRoot": True,
-            "capabilities": {"drop": ["ALL"]},
-        },
+        # The engine writes "REASON: cause" there when it cannot start; without it, the last lines of its log.
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+        "securityContext": dict(_SECURITY_CONTEXT),
     }
+    if _env_from(spec):
+        container["envFrom"] = _env_from(spec)
+    return container
+
+
+def _download_container(spec: ModelDeploymentSpec) -> dict[str, Any]:
+    """``pagoda download`` into the model cache: once per cache volume (a shared claim is filled once)."""
+    resources = {
+        kind: {k: v for k, v in values.items() if k != "nvidia.com/gpu"} for kind, values in _resources(spec).items()
+    }
+    container = {
+        "name": "model-download",
+        "image": spec.image,
+        "imagePullPolicy": spec.image_pull_policy,
+        "command": ["pagoda", "download"],
+        "args": model_arguments(spec),
+        "env": _source_env(spec),
+        "resources": {k: v for k, v in resources.items() if v},
+        "volumeMounts": [{"name": "model-cache", "mountPath": CACHE_MOUNT}],
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+        "securityContext": dict(_SECURITY_CONTEXT),
+    }
+    if _env_from(spec):
+        container["envFrom"] = _env_from(spec)
+    return container
 
 
 def _pod_spec(spec: ModelDeploymentSpec) -> dict[str, Any]:
@@ -137,6 +225,7 @@ def _pod_spec(spec: ModelDeploymentSpec) -> dict[str, Any]:
         tolerations.append({"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"})
     pod: dict[str, Any] = {
         "containers": [_container(spec)],
+        **({"initContainers": [_download_container(spec)]} if spec.model.downloaded else {}),
         "volumes": _volumes(spec)[0],
         "terminationGracePeriodSeconds": PRESTOP_SLEEP_SECONDS + spec.shutdown_timeout_seconds + GRACE_MARGIN_SECONDS,
         "securityContext": {

@@ -1,0 +1,99 @@
+"""The engine's capability contract, as the operator applies it: every spec outside it is refused with
+``InvalidSpec`` naming the field, before a pod starts.
+
+``engine_capabilities.json`` is a copy of ``pagoda capabilities --json`` from the engine image this operator
+release deploys by default; a test holds it equal to the engine's output, so a feature the engine gains (or loses)
+cannot go unnoticed here. A ModelDeployment that names another image with ``spec.engine.image`` is still checked
+against this copy.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from importlib import resources
+from typing import Any
+
+from pagoda_operator.spec import InvalidSpec, ModelDeploymentSpec
+
+# engine flags the operator derives from spec fields: in extraArgs they would silently override the field
+SPEC_FLAGS = {
+    "--host": "the pod's address (set by the operator)",
+    "--port": "the pod's port (set by the operator)",
+    "--served-model-name": "spec.model.servedModelName",
+    "--revision": "spec.model.revision",
+    "--download-dir": "spec.modelCache",
+    "--max-model-len": "spec.maxModelLen",
+    "--max-num-seqs": "spec.maxNumSeqs",
+    "--gpu-memory-utilization": "spec.gpuMemoryUtilization",
+    "--dtype": "spec.dtype",
+    "--device": "spec.gpus",
+    "--enable-prefix-caching": "spec.enablePrefixCaching",
+    "--no-enable-prefix-caching": "spec.enablePrefixCaching",
+    "--tensor-parallel-size": "spec.gpus",
+    "--quantization": "spec.quantization",
+    "--enable-lora": "spec.loraAdapters",
+    "--lora-modules": "spec.loraAdapters",
+    "--max-loras": "spec.maxLoras",
+    "--max-lora-rank": "spec.maxLoraRank",
+    "--shutdown-timeout": "spec.engine.shutdownTimeoutSeconds",
+    "--chat-template": "spec.engine.chatTemplate",
+    "--api-key": "spec.apiKeySecretRef",
+}
+_SOURCE_KINDS = {"builtin": "builtin", "hf": "hf", "s3": "s3", "pvc": "local", "path": "local"}
+
+
+@functools.cache
+def engine_capabilities() -> dict[str, Any]:
+    """The contract this operator release checks specs against."""
+    return json.loads(resources.files("pagoda_operator").joinpath("engine_capabilities.json").read_text())
+
+
+def check_capabilities(spec: ModelDeploymentSpec, contract: dict[str, Any] | None = None) -> None:
+    """Raise ``InvalidSpec`` for the first field the engine cannot serve."""
+    contract = contract or engine_capabilities()
+    device = "cuda" if spec.gpus > 0 else "cpu"
+    served = contract["devices"][device]
+    if spec.gpus > served["tensor_parallel_max"]:
+        raise InvalidSpec(
+            "spec.gpus",
+            f"{spec.gpus} GPUs per replica needs tensor parallelism {spec.gpus}; this engine serves at most "
+            f"{served['tensor_parallel_max']}",
+        )
+    if spec.quantization is not None and spec.quantization not in served["quantization"]:
+        offered = ", ".join(served["quantization"]) or "none"
+        raise InvalidSpec(
+            "spec.quantization", f"{spec.quantization} is not served on {device} replicas by this engine ({offered})"
+        )
+    if spec.lora_adapters and not contract["lora"]["supported"]:
+        raise InvalidSpec("spec.loraAdapters", "this engine does not serve LoRA adapters yet")
+    if _SOURCE_KINDS[spec.model.kind] not in contract["model_sources"]:
+        raise InvalidSpec("spec.model.source", f"this engine cannot load {spec.model.kind} sources")
+    if spec.dtype is not None and spec.dtype not in contract["dtypes"]:
+        raise InvalidSpec("spec.dtype", f"{spec.dtype} is not one of {', '.join(contract['dtypes'])}")
+    if spec.chat_template is not None and not contract["chat_template"]:
+        raise InvalidSpec("spec.engine.chatTemplate", "this engine does not take a chat template")
+    _check_extra_args(spec.extra_args, set(contract["serve_flags"]))
+
+
+def _check_extra_args(args: tuple[str, ...], flags: set[str]) -> None:
+    """Each flag of ``extraArgs`` must be one ``pagoda serve`` takes, and not one a spec field sets."""
+    for index, arg in enumerate(args):
+        field = f"spec.engine.extraArgs[{index}]"
+        if not arg.startswith("-") or _is_number(arg):
+            continue  # a value of the flag before it
+        name = arg.split("=", 1)[0]
+        if not name.startswith("--"):
+            raise InvalidSpec(field, f"{arg!r}: use the long form of the flag (pagoda serve --help)")
+        if name not in flags:
+            raise InvalidSpec(field, f"{name} is not a flag of pagoda serve in this engine")
+        if name in SPEC_FLAGS:
+            raise InvalidSpec(field, f"{name} is set from {SPEC_FLAGS[name]}; set that instead")
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True

@@ -1,0 +1,213 @@
+"""What the API server accepts, the engine serves: the CRD and the operator against a real kube-apiserver.
+
+Every example in crds/examples/ is applied with kubectl. It is either refused (at admission by the schema or a CEL
+rule, or by the operator with an InvalidSpec status naming the field), or its Deployment's pod is run here, init
+container first, and the engine it starts answers the openai client. None is accepted and then fails.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+import torch
+import yaml
+from control_plane import CLUSTER_SCRIPT, REPO, Cluster, control_plane, run_pod_locally, running_operator, wait_for
+from fake_hub import FakeHub
+from tiny_checkpoints import build_tiny_checkpoint
+
+from pagoda.config import builtin_model_path
+
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not CLUSTER_SCRIPT.exists(), reason="needs ../shared/k8s/cluster")]
+
+EXAMPLES = REPO / "crds" / "examples"
+NAMESPACE = "pagoda-test"
+HF_TOKEN = "hf_test_token"
+API_KEY = "k-123"
+# Examples the engine cannot serve yet; the operator must refuse them naming this field (see the capability contract).
+REFUSED = {"four-gpus-quantized-lora.yaml": "spec.gpus"}
+VALID = sorted(p.name for p in EXAMPLES.glob("*.yaml"))
+INVALID = sorted(p.name for p in (EXAMPLES / "invalid").glob("*.yaml"))
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory) -> Iterator[Cluster]:
+    with control_plane(tmp_path_factory.mktemp("k8s") / "cluster") as cluster:
+        cluster.kubectl("apply", "-f", str(REPO / "crds" / "modeldeployment.yaml"))
+        cluster.kubectl("wait", "--for", "condition=established", "crd/modeldeployments.pagoda.dev", "--timeout=60s")
+        cluster.kubectl("create", "namespace", NAMESPACE)
+        cluster.kubectl("create", "secret", "generic", "hf-token", f"--from-literal=token={HF_TOKEN}", "-n", NAMESPACE)
+        key = f"--from-literal=api-key={API_KEY}"
+        cluster.kubectl("create", "secret", "generic", "pagoda-api-key", key, "-n", NAMESPACE)
+        yield cluster
+
+
+@pytest.fixture(scope="module")
+def operator(cluster: Cluster, tmp_path_factory) -> Iterator[Path]:
+    log = tmp_path_factory.mktemp("operator") / "kopf.log"
+    with running_operator(cluster, NAMESPACE, log):
+        yield log
+
+
+@pytest.fixture(scope="module")
+def qwen3_folder(tmp_path_factory) -> Path:
+    """A tiny random Qwen3 with the built-in model's tokenizer and chat template: what the examples' PVC holds."""
+    folder = build_tiny_checkpoint(
+        "qwen3",
+        tmp_path_factory.mktemp("pvc") / "Qwen3-0.6B",
+        torch.bfloat16,
+        vocab_size=512,
+        max_position_embeddings=8192,
+    )
+    for name in (
+        "tokenizer.json",
+        "tokenizer.model",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "chat_template.jinja",
+    ):
+        shutil.copy(builtin_model_path() / name, folder / name)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def hub(qwen3_folder: Path) -> Iterator[FakeHub]:
+    with FakeHub(token=HF_TOKEN) as hub:
+        hub.add_commit("Qwen/Qwen3-0.6B", {p.name: p.read_bytes() for p in qwen3_folder.iterdir()})
+        yield hub
+
+
+def apply(cluster: Cluster, manifest: Path, validate: bool = True):
+    body = yaml.safe_load(manifest.read_text())
+    body["metadata"]["namespace"] = NAMESPACE
+    args = ["apply", "-f", "-"] + ([] if validate else ["--validate=false"])  # no kubectl-side check: the server's
+    return cluster.kubectl(*args, stdin=json.dumps(body), check=False), body["metadata"]["name"]
+
+
+def condition(body: dict[str, Any], kind: str) -> dict[str, Any]:
+    return next((c for c in (body.get("status") or {}).get("conditions") or [] if c["type"] == kind), {})
+
+
+@pytest.mark.parametrize("name", INVALID)
+def test_invalid_examples_are_refused_at_admission(cluster: Cluster, name: str) -> None:
+    result, md = apply(cluster, EXAMPLES / "invalid" / name, validate=False)
+    assert result.returncode != 0 and "is invalid" in result.stderr, result.stderr
+    if name.startswith("cel-"):  # a CEL rule's own message, not a generic schema error
+        comment = (EXAMPLES / "invalid" / name).read_text().splitlines()[0]
+        assert 'Invalid value: "object"' in result.stderr, result.stderr
+        assert "CEL" in comment
+    assert cluster.get("modeldeployment", md, NAMESPACE) is None
+
+
+def local_volumes(tmp_path: Path, qwen3_folder: Path, pod: dict[str, Any]) -> dict[str, Path]:
+    """A local folder for every volume of the pod: the cache, each model claim, a ConfigMap."""
+    volumes: dict[str, Path] = {}
+    for volume in pod.get("volumes") or []:
+        folder = tmp_path / volume["name"]
+        folder.mkdir(exist_ok=True)
+        claim = (volume.get("persistentVolumeClaim") or {}).get("claimName")
+        if claim == "models":
+            shutil.copytree(qwen3_folder, folder / "Qwen3-0.6B", dirs_exist_ok=True)
+        volumes[volume["name"]] = folder
+    return volumes
+
+
+@pytest.mark.parametrize("name", VALID)
+def test_every_example_is_refused_or_serves(cluster, operator, hub, qwen3_folder, tmp_path, name: str) -> None:
+    result, md = apply(cluster, EXAMPLES / name)
+    assert result.returncode == 0, result.stderr
+
+    def outcome():
+        body = cluster.get("modeldeployment", md, NAMESPACE) or {}
+        if condition(body, "Degraded").get("reason") == "InvalidSpec":
+            return "refused", condition(body, "Degraded")
+        deployment = cluster.get("deployment", md, NAMESPACE)
+        return ("rendered", deployment) if deployment else None
+
+    kind, detail = wait_for(f"the operator to act on {name}", outcome, 60)
+    if name in REFUSED:
+        assert kind == "refused" and REFUSED[name] in detail["message"], detail
+        return
+    assert kind == "rendered", detail
+    pod = detail["spec"]["template"]["spec"]
+    # HF_ENDPOINT: the test double of the Hub. PAGODA_CACHE_DIR: the machine's own kernel build cache, not the cache
+    # volume's (a fresh folder here), so that each pod does not compile the CPU kernels again (~40 s each).
+    extra_env = {"HF_ENDPOINT": hub.url, "PAGODA_CACHE_DIR": str(Path.home() / ".cache" / "pagoda")}
+    volumes = local_volumes(tmp_path, qwen3_folder, pod)
+    local = run_pod_locally(cluster, NAMESPACE, pod, volumes, extra_env, tmp_path / "engine.log")
+    try:
+        body = cluster.get("modeldeployment", md, NAMESPACE)
+        served = body["spec"]["model"].get("servedModelName", md)
+        key = API_KEY if "apiKeySecretRef" in body["spec"] else "unused"
+        client = openai.OpenAI(base_url=local.server.base_url, api_key=key, max_retries=0)
+        chat = client.chat.completions.create(
+            model=served, messages=[{"role": "user", "content": "Once upon a time"}], max_tokens=4
+        )
+        assert chat.choices[0].finish_reason == "length" and chat.usage.completion_tokens == 4
+    finally:
+        local.server.stop()
+
+
+def test_a_spec_outside_the_engines_contract_is_admitted_then_refused_naming_the_field(
+    cluster, operator, tmp_path
+) -> None:
+    manifest = tmp_path / "md.yaml"
+    body = yaml.safe_load((EXAMPLES / "cpu-builtin.yaml").read_text())
+    body["metadata"]["name"] = "bad-flag"
+    body["spec"]["engine"] = {"extraArgs": ["--max-num-batched-tokens", "64", "--not-a-flag"]}
+    manifest.write_text(yaml.safe_dump(body))
+    result, md = apply(cluster, manifest)
+    assert result.returncode == 0, result.stderr
+    degraded = wait_for(
+        "InvalidSpec",
+        lambda: condition(cluster.get("modeldeployment", md, NAMESPACE) or {}, "Degraded").get("message"),
+        60,
+    )
+    assert "spec.engine.extraArgs[2]" in degraded and "--not-a-flag" in degraded
+    assert cluster.get("deployment", md, NAMESPACE) is None
+
+
+def test_a_model_that_cannot_be_had_shows_its_reason_in_the_status(cluster, operator, tmp_path) -> None:
+    # No kubelet here: the pod's status is patched as the kubelet would write it after `pagoda download` failed.
+    manifest = tmp_path / "md.yaml"
+    body = yaml.safe_load((EXAMPLES / "hub-model-cpu.yaml").read_text())
+    body["metadata"]["name"] = "private-model"
+    body["spec"]["replicas"] = 1
+    manifest.write_text(yaml.safe_dump(body))
+    assert apply(cluster, manifest)[0].returncode == 0
+    selector = "pagoda.dev/model-deployment=private-model"
+
+    def first_pod():
+        pods = json.loads(cluster.kubectl("get", "pods", "-n", NAMESPACE, "-l", selector, "-o", "json").stdout)["items"]
+        return pods[0]["metadata"]["name"] if pods else None
+
+    pod = wait_for("the Deployment's pod", first_pod, 60)
+    message = "Unauthorized: model 'Qwen/Qwen3-0.6B': the Hub refused access (HTTP 401): the model is private or gated"
+    status = {
+        "initContainerStatuses": [
+            {
+                "name": "model-download",
+                "image": "engine",
+                "imageID": "",
+                "ready": False,
+                "restartCount": 3,
+                "state": {"waiting": {"reason": "CrashLoopBackOff"}},
+                "lastState": {"terminated": {"exitCode": 2, "reason": "Error", "message": message}},
+            }
+        ]
+    }
+    patch = json.dumps({"status": status})
+    cluster.kubectl("patch", "pod", pod, "-n", NAMESPACE, "--subresource=status", "--type=merge", "-p", patch)
+
+    def degraded():
+        found = condition(cluster.get("modeldeployment", "private-model", NAMESPACE) or {}, "Degraded")
+        return found if found.get("reason") == "Unauthorized" else None
+
+    found = wait_for("the Unauthorized reason in the status", degraded, 60)
+    assert found["status"] == "True" and "container model-download" in found["message"]
+    assert "the Hub refused access (HTTP 401)" in found["message"]
