@@ -68,18 +68,13 @@ def test_suffix_is_rejected() -> None:
     assert CompletionRequest(prompt="a", suffix=None).suffix is None
 
 
-@pytest.mark.parametrize(
-    ("payload", "param"),
-    [
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-        ({"tool_choice": "auto"}, "tool_choice"),
-        ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
-    ],
-)
-def test_tools_are_rejected(payload: dict[str, Any], param: str) -> None:
-    error = rejection(ChatCompletionRequest, {"messages": MESSAGES, **payload})
-    assert error["param"] == param
-    assert "tools are not supported" in error["message"]
+def test_tools_and_tool_choice_are_accepted_by_the_schema() -> None:
+    # Their meaning (tool names, JSON Schemas, the server's parsers) is checked when the request is served.
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    request = ChatCompletionRequest.model_validate(
+        {"messages": MESSAGES, "tools": tools, "tool_choice": "required", "parallel_tool_calls": False}
+    )
+    assert (request.tools, request.tool_choice, request.parallel_tool_calls) == (tools, "required", False)
 
 
 def test_no_tools_is_accepted() -> None:
@@ -87,17 +82,31 @@ def test_no_tools_is_accepted() -> None:
     assert request.tool_choice == "none"
 
 
-@pytest.mark.parametrize("kind", ["text", "json_object"])
-def test_text_and_json_object_response_formats_are_accepted(kind: str) -> None:
+@pytest.mark.parametrize("kind", ["text", "json_object", "json_schema"])
+def test_openai_response_formats_are_accepted(kind: str) -> None:
     request = ChatCompletionRequest(messages=MESSAGES, response_format={"type": kind})
     assert request.response_format == {"type": kind}
 
 
-@pytest.mark.parametrize("response_format", [{"type": "json_schema", "json_schema": {"schema": {}}}, {}])
+@pytest.mark.parametrize("response_format", [{"type": "xml"}, {}])
 def test_other_response_formats_are_rejected(response_format: dict[str, Any]) -> None:
     error = rejection(ChatCompletionRequest, {"messages": MESSAGES, "response_format": response_format})
     assert error["param"] == "response_format"
     assert "not supported" in error["message"]
+
+
+def test_continue_final_message_needs_add_generation_prompt_off() -> None:
+    error = rejection(ChatCompletionRequest, {"messages": MESSAGES, "continue_final_message": True})
+    assert error["param"] == "continue_final_message"
+    request = ChatCompletionRequest(messages=MESSAGES, continue_final_message=True, add_generation_prompt=False)
+    assert request.continue_final_message
+
+
+def test_chat_template_kwargs_cannot_override_the_servers_own_arguments() -> None:
+    error = rejection(ChatCompletionRequest, {"messages": MESSAGES, "chat_template_kwargs": {"tools": []}})
+    assert error["param"] == "chat_template_kwargs"
+    request = ChatCompletionRequest(messages=MESSAGES, chat_template_kwargs={"enable_thinking": False})
+    assert request.chat_template_kwargs == {"enable_thinking": False}
 
 
 def test_top_logprobs_requires_logprobs() -> None:

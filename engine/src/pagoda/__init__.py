@@ -20,6 +20,7 @@ _EXPORTS = {
     "RequestOutput": "pagoda.outputs",
     "RequestOutputKind": "pagoda.sampling_params",
     "SamplingParams": "pagoda.sampling_params",
+    "StructuredOutputsParams": "pagoda.structured_output.params",
 }
 
 __all__ = [
@@ -31,6 +32,7 @@ __all__ = [
     "RequestOutput",
     "RequestOutputKind",
     "SamplingParams",
+    "StructuredOutputsParams",
     "__version__",
 ]
 
@@ -40,6 +42,7 @@ if TYPE_CHECKING:
     from pagoda.entrypoints.llm import LLM
     from pagoda.outputs import CompletionOutput, Logprob, RequestOutput
     from pagoda.sampling_params import RequestOutputKind, SamplingParams
+    from pagoda.structured_output.params import StructuredOutputsParams
 
 
 def __getattr__(name: str) -> Any:

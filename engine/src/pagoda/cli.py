@@ -87,6 +87,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--enforce-eager", action="store_true", help="run every step eagerly (no CUDA graphs for decode steps)"
     )
+    parser.add_argument(
+        "--structured-output-max-whitespace",
+        type=int,
+        default=0,
+        help="structured outputs: longest run of free whitespace between JSON tokens; 0 (default): JSON as "
+        "json.dumps writes it, which no model can pad with whitespace until max_tokens",
+    )
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log level")
 
 
@@ -116,6 +123,7 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
         attention_backend=ns.attention_backend,
         enforce_eager=ns.enforce_eager,
         quantization=ns.quantization,
+        structured_output_max_whitespace=ns.structured_output_max_whitespace,
     )
 
 

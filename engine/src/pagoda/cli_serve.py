@@ -30,12 +30,17 @@ def run_serve(ns: argparse.Namespace) -> int:
         allow_credentials=ns.allow_credentials,
         tokenizer_pool_type=ns.tokenizer_pool_type,
         tokenizer_pool_size=ns.tokenizer_pool_size,
+        enable_auto_tool_choice=ns.enable_auto_tool_choice,
+        tool_call_parser=ns.tool_call_parser,
+        reasoning_parser=ns.reasoning_parser,
     )
     # fail fast on bad flags, before binding the port
     config.engine_args.validate()
     limits.validate()
     if config.max_num_queued_requests < 1:
         raise ValueError("--max-num-queued-requests must be at least 1")
+    if config.enable_auto_tool_choice and config.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
     if config.tokenizer_pool_size < 1:
         raise ValueError("--tokenizer-pool-size must be at least 1")
     return run_server(config, ns.log_level)
@@ -61,6 +66,8 @@ def add_serve_args(serve: argparse.ArgumentParser) -> None:
         DEFAULT_POOL_TYPE,
         DEFAULT_SHUTDOWN_TIMEOUT,
         POOL_TYPES,
+        REASONING_PARSER_NAMES,
+        TOOL_CALL_PARSER_NAMES,
     )
 
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 in a pod)")
@@ -99,6 +106,23 @@ def add_serve_args(serve: argparse.ArgumentParser) -> None:
     serve.add_argument(
         "--tokenizer-pool-size", type=int, default=DEFAULT_POOL_SIZE, help="tokenizer workers (processes or threads)"
     )
+    serve.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='tool_choice "auto": the model decides to call tools; needs --tool-call-parser',
+    )
+    serve.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=list(TOOL_CALL_PARSER_NAMES),
+        help="how tool calls are read from the model's output (hermes: Qwen2/Qwen3/Hermes; llama3_json; mistral)",
+    )
+    serve.add_argument(
+        "--reasoning-parser",
+        default=None,
+        choices=list(REASONING_PARSER_NAMES),
+        help="split <think>...</think> into reasoning_content (qwen3, deepseek_r1)",
+    )
     serve.add_argument("--tensor-parallel-size", type=int, default=1, help="not supported yet beyond 1")
     serve.add_argument("--enable-lora", action="store_true", help="not supported yet")
     serve.add_argument("--lora-modules", nargs="*", default=None, help="not supported yet")
@@ -132,6 +156,25 @@ def _add_limit_args(serve: argparse.ArgumentParser) -> None:
             "seconds for a request's line and headers to arrive; then 408 and the connection is closed",
         ),
         ("--http-body-timeout", float, lim.DEFAULT_HTTP_BODY_TIMEOUT, "seconds for a request body to arrive; then 408"),
+        ("--max-tools", int, lim.DEFAULT_MAX_TOOLS, "tools in one chat request"),
+        (
+            "--max-structured-output-chars",
+            int,
+            lim.DEFAULT_MAX_STRUCTURED_OUTPUT_CHARS,
+            "characters of one output constraint (JSON Schema, regex, grammar, choices, or the tools' schemas)",
+        ),
+        (
+            "--structured-output-compile-timeout",
+            float,
+            lim.DEFAULT_STRUCTURED_OUTPUT_COMPILE_TIMEOUT,
+            "seconds a request waits for its output constraint to compile; then 400",
+        ),
+        (
+            "--max-pending-compiles",
+            int,
+            lim.DEFAULT_MAX_PENDING_COMPILES,
+            "output constraints queued or compiling at once (one compile thread); a new one beyond gets 429",
+        ),
     ]
     for flag, kind, default, text in flags:
         serve.add_argument(flag, type=kind, default=default, help=text)

@@ -66,6 +66,8 @@ class EngineArgs:
     attention_backend: str = "auto"  # auto (triton on CUDA, torch on CPU) | torch | triton
     enforce_eager: bool = False  # True: never capture CUDA graphs (every step runs eagerly)
     quantization: Optional[str] = None  # None | int8 (weight-only, per-channel scales; CPU)
+    # Structured outputs: the longest run of whitespace a JSON output may hold between tokens (0: compact JSON).
+    structured_output_max_whitespace: int = 0
 
     def resolved_model_path(self) -> Path:
         """The local folder of the model, downloading it first when it is remote (see ``pagoda.model_source``)."""
@@ -101,6 +103,10 @@ class EngineArgs:
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ValueError(
                 f"quantization {self.quantization!r} is not supported (supported: {', '.join(QUANTIZATIONS)})"
+            )
+        if self.structured_output_max_whitespace < 0:
+            raise ValueError(
+                f"structured_output_max_whitespace must be >= 0, got {self.structured_output_max_whitespace}"
             )
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -86,6 +86,9 @@ class Request:
     # Token counts for the penalties (a worker-side cache of output_token_ids, on the logits' device), kept
     # from the first sampled token on; never shared between sequences (a fork starts its own).
     penalty_counts: Optional[object] = None
+    # Structured output: this sequence's grammar state (a RequestGrammar); None when unconstrained. The scheduler
+    # leaves the request waiting until it is ready; every sequence of an n > 1 request has its own.
+    grammar: Optional[Any] = None
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:
@@ -116,6 +119,11 @@ class Request:
     def external_id(self) -> str:
         """The id the caller knows this sequence by."""
         return self.parent_id if self.parent_id is not None else self.request_id
+
+    @property
+    def grammar_pending(self) -> bool:
+        """Its structured-output grammar is still compiling: it cannot be scheduled yet."""
+        return self.grammar is not None and not self.grammar.ready
 
     @property
     def needs_fork(self) -> bool:

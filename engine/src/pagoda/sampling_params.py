@@ -7,6 +7,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
+from pagoda.structured_output.params import StructuredOutputsParams
+
 _EPS = 1e-5
 
 # Bounds shared with the OpenAI API's schema (protocol.py), so the served document states what is enforced.
@@ -59,6 +61,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # Constrain the output to a JSON Schema, any JSON object, a regex, a choice or a grammar (vLLM's name).
+    structured_outputs: Optional[StructuredOutputsParams] = None
     # Normalised forms, derived in __post_init__.
     stop_strings: list[str] = field(default_factory=list, init=False)
     all_stop_token_ids: frozenset[int] = field(default_factory=frozenset, init=False)
@@ -144,6 +148,15 @@ class SamplingParams:
         _check(
             self.seed is None or (isinstance(self.seed, int) and MIN_SEED <= self.seed <= MAX_SEED - self.n),
             f"seed must be an integer in [{MIN_SEED}, {MAX_SEED - self.n}], got {self.seed!r}.",
+        )
+        _check(
+            self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+            "structured_outputs must be a StructuredOutputsParams.",
+        )
+        _check(
+            self.structured_outputs is None or self.min_tokens == 0,
+            "min_tokens cannot be combined with structured outputs: once the constrained output is complete only "
+            "the end of the sequence is allowed, which min_tokens forbids.",
         )
         for token_id, bias in (self.logit_bias or {}).items():
             _check(

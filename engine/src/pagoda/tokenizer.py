@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Optional
@@ -59,6 +60,8 @@ def apply_chat_template(
     chat_template: Optional[str] = None,
     add_generation_prompt: bool = True,
     tools: Optional[list[dict[str, Any]]] = None,
+    continue_final_message: bool = False,
+    template_kwargs: Optional[dict[str, Any]] = None,
 ) -> list[int]:
     """Render ``messages`` with the chat template and tokenize the result.
 
@@ -68,9 +71,10 @@ def apply_chat_template(
     """
     if chat_template is None and not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model has no chat template; pass chat_template=... (a Jinja template string).")
-    return encode_prompt(
-        tokenizer, render_chat_template(tokenizer, messages, chat_template, add_generation_prompt, tools), False
+    text = render_chat_template(
+        tokenizer, messages, chat_template, add_generation_prompt, tools, continue_final_message, template_kwargs
     )
+    return encode_prompt(tokenizer, text, False)
 
 
 def render_chat_template(
@@ -79,17 +83,26 @@ def render_chat_template(
     chat_template: Optional[str] = None,
     add_generation_prompt: bool = True,
     tools: Optional[list[dict[str, Any]]] = None,
+    continue_final_message: bool = False,
+    template_kwargs: Optional[dict[str, Any]] = None,
 ) -> str:
-    """The prompt text the chat template makes of ``messages``; ValueError for messages it refuses."""
+    """The prompt text the chat template makes of ``messages``; ValueError for messages it refuses.
+
+    ``continue_final_message`` leaves the last (assistant) message open for the model to continue;
+    ``template_kwargs`` are extra template variables (e.g. Qwen3's ``enable_thinking``).
+    """
     normalized = normalize_messages(messages)
     _check_strings(normalized, "messages")
+    _check_strings(template_kwargs or {}, "chat_template_kwargs")
     try:
         return tokenizer.apply_chat_template(
             normalized,
             chat_template=chat_template,
             add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
             tools=tools,
             tokenize=False,
+            **(template_kwargs or {}),
         )
     except jinja2.TemplateError as exc:  # raise_exception() in the template: its message is for the user
         raise ValueError(f"the chat template refused these messages: {exc}") from None
@@ -126,7 +139,31 @@ def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise ValueError(f"message {i} must be a dict with a string 'role', got {message!r}.")
         normalized.append({**message, "content": _content_text(i, message.get("content"))})
+        if message.get("tool_calls") is not None:
+            normalized[-1]["tool_calls"] = _template_tool_calls(i, message["tool_calls"])
     return normalized
+
+
+def _template_tool_calls(index: int, tool_calls: Any) -> list[Any]:
+    """OpenAI sends tool-call arguments as JSON text; templates (Llama 3, Mistral, Qwen) expect an object, so
+    arguments that parse as a JSON object are handed over parsed."""
+    if not isinstance(tool_calls, list):
+        raise ValueError(f"message {index}: tool_calls must be a list.")
+    result = []
+    for call in tool_calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise ValueError(f"message {index}: each tool call needs a function with a name.")
+        arguments = function.get("arguments")
+        if isinstance(arguments, str):
+            try:
+                parsed = json.loads(arguments)
+            except json.JSONDecodeError:
+                parsed = None
+            if isinstance(parsed, dict):
+                function = {**function, "arguments": parsed}
+        result.append({**call, "function": function})
+    return result
 
 
 def _content_text(index: int, content: Any) -> Optional[str]:

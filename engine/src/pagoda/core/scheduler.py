@@ -36,6 +36,9 @@ class Scheduler:
         # Sequences the waiting queue stands for (an unforked n > 1 request counts n). Kept as a counter
         # because other threads read it (admission control) while this one changes the queue.
         self.num_waiting_seqs = 0
+        # Sequences that failed while their results were applied (sequence id -> message), for the engine to
+        # report; see pop_request_errors.
+        self.request_errors: dict[str, str] = {}
 
     # ---- requests in and out -------------------------------------------------------------
 
@@ -70,6 +73,11 @@ class Scheduler:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.running or self.waiting)
+
+    def pop_request_errors(self) -> dict[str, str]:
+        """The sequences that failed in the last ``update_from_output`` (already finished), with why."""
+        errors, self.request_errors = self.request_errors, {}
+        return errors
 
     # ---- planning ------------------------------------------------------------------------
 
@@ -107,8 +115,12 @@ class Scheduler:
 
     def _admit_waiting(self, scheduled: dict[str, ScheduledRequest], budget: int) -> int:
         now = time.monotonic()
+        compiling: list[Request] = []  # set aside while their grammar compiles; put back in order below
         while self.waiting and budget > 0:
             request = self.waiting[0]
+            if request.grammar_pending:
+                compiling.append(self.waiting.popleft())  # the requests behind it go first
+                continue
             seats = _seats(request)
             if self.running and len(self.running) + seats > self.config.max_num_seqs:
                 break
@@ -131,6 +143,7 @@ class Scheduler:
             self.running.append(request)
             scheduled[request.request_id] = ScheduledRequest(request, num_new, self.kv.get_block_ids(request))
             budget -= num_new
+        self.waiting.extendleft(reversed(compiling))  # still counted in num_waiting_seqs: never dequeued
         return budget
 
     def _preempt(self, request: Request, scheduled: dict[str, ScheduledRequest]) -> int:
@@ -177,6 +190,9 @@ class Scheduler:
 
     def _append_token(self, request: Request, token: int, logprobs, now: float) -> None:
         request.append_output_token(token)
+        if request.grammar is not None and not request.grammar.accept(token):
+            # Only possible if the mask was not applied: fail this request alone, never emit invalid output.
+            self.request_errors[request.request_id] = f"token {token} was sampled against the output's grammar"
         if request.first_token_time is None:
             request.first_token_time = now
         request.last_token_time = now
@@ -193,6 +209,10 @@ class Scheduler:
 
     def _stop_status(self, request: Request, token: int) -> Optional[RequestStatus]:
         params = request.sampling_params
+        if request.request_id in self.request_errors:
+            return RequestStatus.FINISHED_ERROR
+        if request.grammar is not None and request.grammar.is_terminated:
+            return RequestStatus.FINISHED_STOPPED  # the output is complete (even with ignore_eos)
         if request.num_output_tokens >= params.min_tokens:
             if not params.ignore_eos and token in request.eos_token_ids:
                 return RequestStatus.FINISHED_STOPPED
@@ -223,6 +243,7 @@ class Scheduler:
                 prompt_logprobs=None,
                 pending_prompt_logprobs=False,
                 penalty_counts=None,
+                grammar=parent.grammar.fork() if parent.grammar is not None else None,
             )
             child.pending_prompt_logprobs = False  # replace() re-ran __post_init__; the parent collects them
             self.requests[child.request_id] = child

@@ -5,7 +5,9 @@ from __future__ import annotations
 import itertools
 import logging
 import random
+import threading
 import time
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Union
@@ -22,6 +24,9 @@ from pagoda.model_config import ModelConfig, resolve_dtype
 from pagoda.outputs import RequestOutput
 from pagoda.request import Request, RequestStatus, sequence_id
 from pagoda.sampling_params import SamplingParams
+from pagoda.structured_output.compiler import StructuredOutputCompiler
+from pagoda.structured_output.grammar import RequestGrammar
+from pagoda.structured_output.params import StructuredOutputsParams
 from pagoda.tokenizer import encode_prompt, get_tokenizer
 from pagoda.worker.attention_triton import resolve_attention_backend
 from pagoda.worker.kv_sizing import check_fits, cpu_num_blocks, gpu_num_blocks
@@ -31,6 +36,8 @@ from pagoda.worker.sampler import validate_for_vocab
 logger = logging.getLogger(__name__)
 
 MAX_LOGPROBS = 20
+# How long a step with nothing to run but compiling grammars waits for one of them before returning.
+_GRAMMAR_WAIT_S = 0.05
 
 
 @dataclass(slots=True)
@@ -98,6 +105,10 @@ class LLMEngine:
             scheduler_config, KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching)
         )
         self.output_processor = OutputProcessor(self.tokenizer)
+        self._structured_outputs: Optional[StructuredOutputCompiler] = None
+        self._structured_outputs_lock = threading.Lock()
+        self._structured_outputs_error: Optional[str] = None
+        self._compiling: dict[str, Request] = {}  # sequence id -> request whose grammar is compiling
         self._seed_rng = random.Random(args.seed)
         self._arrival_seq = itertools.count()
         self.last_step_num_tokens = 0
@@ -141,6 +152,9 @@ class LLMEngine:
             lora_id=lora_id,
             cache_salt=cache_salt,
         )
+        if params.structured_outputs is not None:
+            request.grammar = RequestGrammar(self.compile_structured_output(params.structured_outputs))
+            self._compiling[request.request_id] = request
         request.generator = generators[0]
         request.sibling_generators = generators[1:] if params.n > 1 else None
         self.output_processor.add_request(request, text)
@@ -166,15 +180,21 @@ class LLMEngine:
         A request that fails on its own (no valid token, its output cannot be detokenized) gets a
         final output with ``error`` set; the other requests of the step carry on.
         """
+        grammar_failures = self._poll_grammars()
         plan = self.scheduler.schedule()
         self.last_step_num_tokens = plan.num_batched_tokens
         if plan.is_empty:
+            if self._compiling:  # only requests whose grammar is compiling: wait for one, briefly
+                wait([r.grammar.future for r in self._compiling.values()], _GRAMMAR_WAIT_S, FIRST_COMPLETED)
+                return grammar_failures
             # start-up guarantees one max-length sequence fits, so work can always progress
             assert not self.scheduler.has_unfinished_requests(), "scheduler made no progress"
-            return []
+            return grammar_failures
         result = self.runner.execute(plan)
         failed = {self._external_id(seq_id): message for seq_id, message in result.errors.items()}
         updated = self.scheduler.update_from_output(plan, result)
+        for seq_id, message in self.scheduler.pop_request_errors().items():
+            failed[self._external_id(seq_id)] = message
         stopped, detokenize_failed = self.output_processor.detokenize(updated)
         failed.update(detokenize_failed)
         self.scheduler.finish_requests([r.request_id for r in stopped], RequestStatus.FINISHED_STOPPED)
@@ -185,6 +205,51 @@ class LLMEngine:
             output = self.fail_request(external_id, message)
             if output is not None:
                 outputs.append(output)
+        return grammar_failures + outputs
+
+    # ---- structured outputs ----------------------------------------------------------------
+
+    def compile_structured_output(self, spec: StructuredOutputsParams, max_pending: Optional[int] = None) -> Future:
+        """The compiled grammar of ``spec`` as a future (cached by spec; any thread may call this). Its
+        exception is a ValueError naming what is wrong, which the server answers as a 400. ``max_pending``: see
+        ``StructuredOutputCompiler.compile``."""
+        return self.structured_output_compiler().compile(spec, max_pending)
+
+    def structured_output_compiler(self) -> StructuredOutputCompiler:
+        """Created on first use: importing xgrammar takes seconds that engines without structured outputs
+        should not pay (the server warms it up at start). ValueError if this model's tokenizer cannot have one
+        (every later call says the same without trying again)."""
+        with self._structured_outputs_lock:
+            if self._structured_outputs is None and self._structured_outputs_error is None:
+                try:
+                    self._structured_outputs = StructuredOutputCompiler(
+                        self.tokenizer,
+                        self.model_config.vocab_size,
+                        self.model_config.eos_token_ids,
+                        max_whitespace=self.args.structured_output_max_whitespace,
+                    )
+                except Exception as exc:  # xgrammar cannot read this tokenizer's vocabulary
+                    logger.warning("structured outputs are unavailable: %r", exc)
+                    self._structured_outputs_error = f"structured outputs are not available for this model ({exc})"
+            if self._structured_outputs is None:
+                raise ValueError(self._structured_outputs_error)
+            return self._structured_outputs
+
+    def _poll_grammars(self) -> list[RequestOutput]:
+        """Make matchers for grammars that finished compiling; fail the requests whose grammar did not."""
+        outputs: list[RequestOutput] = []
+        for seq_id, request in list(self._compiling.items()):
+            if request.is_finished:  # aborted while compiling
+                del self._compiling[seq_id]
+                continue
+            if not request.grammar.poll():
+                continue
+            del self._compiling[seq_id]
+            if request.grammar.error is not None:
+                logger.info("request_id=%s refused: %s", request.external_id, request.grammar.error)
+                output = self.fail_request(request.external_id, request.grammar.error)
+                if output is not None:
+                    outputs.append(output)
         return outputs
 
     def fail_request(self, request_id: str, message: str) -> Optional[RequestOutput]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 from tqdm.auto import tqdm
 
@@ -65,12 +65,27 @@ class LLM:
         chat_template: Optional[str] = None,
         add_generation_prompt: bool = True,
         use_tqdm: bool = True,
+        tools: Optional[list[dict[str, Any]]] = None,
+        continue_final_message: bool = False,
+        chat_template_kwargs: Optional[dict[str, Any]] = None,
     ) -> list[RequestOutput]:
-        """Apply the tokenizer's chat template (or ``chat_template``) to each conversation and generate."""
+        """Apply the tokenizer's chat template (or ``chat_template``) to each conversation and generate.
+
+        ``tools`` (OpenAI's function tools), ``continue_final_message`` and ``chat_template_kwargs`` (e.g.
+        ``{"enable_thinking": False}``) reach the template as in the server."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         template = chat_template or self.engine.args.chat_template
         prompts = [
-            apply_chat_template(self.engine.tokenizer, conv, template, add_generation_prompt) for conv in conversations
+            apply_chat_template(
+                self.engine.tokenizer,
+                conv,
+                template,
+                add_generation_prompt,
+                tools,
+                continue_final_message,
+                chat_template_kwargs,
+            )
+            for conv in conversations
         ]
         params = self._params_list(sampling_params, len(prompts))
         return self._run(prompts, params, use_tqdm)
@@ -90,6 +105,9 @@ class LLM:
         engine = self.engine
         order: dict[str, int] = {}
         results: list[Optional[RequestOutput]] = [None] * len(prompts)
+        for p in params:  # an invalid schema, regex or grammar is a ValueError here, before anything runs
+            if p.structured_outputs is not None:
+                engine.compile_structured_output(p.structured_outputs).result()
         try:
             for i, (prompt, p) in enumerate(zip(prompts, params)):
                 request_id = str(next(self._ids))

@@ -240,4 +240,5 @@ def _sampling_row(request: Request, generator, vocab: int, device: torch.device)
         output_token_ids=request.output_token_ids,
         min_tokens_stop_ids=stop_ids,
         penalty_counts=request.penalty_counts,
+        grammar=request.grammar,
     )

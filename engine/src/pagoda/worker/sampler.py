@@ -2,8 +2,8 @@
 
 Semantics follow vLLM V1 / OpenAI. Logprobs are those of the model's raw logits (before any
 penalty, bias or temperature). The token is chosen from the processed logits, in this order:
-logit_bias, min_tokens masking, repetition penalty, presence/frequency penalties, then greedy
-argmax, or temperature, top_k, top_p, min_p and a random draw.
+logit_bias, min_tokens masking, repetition penalty, presence/frequency penalties, the structured
+output's grammar mask, then greedy argmax, or temperature, top_k, top_p, min_p and a random draw.
 
 Batch independence: a seeded row gets the same token whichever rows share its batch and at
 whatever index it sits. All tensor work is row-wise, and the only randomness is one uniform
@@ -26,6 +26,7 @@ import torch
 from pagoda.cpu import argmax_rows
 from pagoda.outputs import Logprob
 from pagoda.sampling_params import SamplingParams
+from pagoda.structured_output.grammar import RequestGrammar, apply_grammar_masks
 from pagoda.worker import logits_processing as processing
 
 # Prompt logprobs are computed this many positions at a time to bound the extra memory.
@@ -47,6 +48,8 @@ class SamplingRow:
     min_tokens_stop_ids: frozenset[int]
     # The sequence's incrementally kept token counts for penalties; None: counted afresh for this call.
     penalty_counts: Optional[processing.PenaltyCounts] = None
+    # The structured-output grammar at this sequence's position; None: unconstrained.
+    grammar: Optional[RequestGrammar] = None
 
 
 @dataclass(slots=True)
@@ -68,6 +71,9 @@ class Sampler:
         """Sample from ``logits`` ``[num_rows, vocab]`` (float32, left unmodified)."""
         assert logits.dim() == 2 and logits.shape[0] == len(rows), (tuple(logits.shape), len(rows))
         processed = _process(logits, rows)
+        if any(row.grammar is not None for row in rows):
+            # The mask goes last, so no bias or penalty can bring a forbidden token back.
+            processed = apply_grammar_masks(processed, _grammars(rows))  # a new tensor: raw logits stay raw
         token_ids = _choose(processed, rows)
         token_ids, failed_rows = _check_chosen(processed, token_ids, rows)
         logprobs = _sampled_logprobs(logits, token_ids, rows)
@@ -109,6 +115,10 @@ def _process(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     out = processing.apply_logit_bias(out, rows)
     out = processing.apply_min_tokens(out, rows)
     return processing.apply_penalties(out, rows)
+
+
+def _grammars(rows: list[SamplingRow]) -> list[Optional[RequestGrammar]]:
+    return [row.grammar for row in rows]
 
 
 def _adjusts_logits(row: SamplingRow) -> bool:
@@ -164,7 +174,10 @@ def _uniforms(generators: list[Optional[torch.Generator]], device: torch.device)
     return torch.cat([d.to(device) for d in draws])
 
 
-NO_TOKEN_LEFT = "no token can be sampled: every token of the vocabulary is excluded (min_tokens with stop tokens)"
+NO_TOKEN_LEFT = (
+    "no token can be sampled: every token of the vocabulary is excluded (by min_tokens with stop tokens, or by "
+    "the structured output's grammar together with logit_bias or min_tokens)"
+)
 NON_FINITE_LOGITS = "the model produced non-finite logits for this request"
 
 

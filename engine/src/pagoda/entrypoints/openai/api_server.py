@@ -12,6 +12,7 @@ exits with status 1.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -46,8 +47,11 @@ from pagoda.entrypoints.openai.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from pagoda.entrypoints.openai.reasoning_parsers import get_reasoning_parser
 from pagoda.entrypoints.openai.serving import OpenAIServing
+from pagoda.entrypoints.openai.serving_chat import ChatOptions
 from pagoda.entrypoints.openai.tokenizer_pool import TokenizerPool, TokenizerSpec
+from pagoda.entrypoints.openai.tool_parsers import get_tool_parser
 from pagoda.metrics import EngineMetrics
 from pagoda.startup_failure import report_startup_failure
 
@@ -72,6 +76,9 @@ class ServerConfig:
     allow_credentials: bool = False
     tokenizer_pool_type: str = DEFAULT_POOL_TYPE
     tokenizer_pool_size: int = DEFAULT_POOL_SIZE
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: Optional[str] = None  # hermes | llama3_json | mistral
+    reasoning_parser: Optional[str] = None  # qwen3 | deepseek_r1
 
 
 # What clients are told when loading failed or the engine stopped; the cause is in the log (and, for a
@@ -130,7 +137,12 @@ class ServerState:
                 RequestChecker(limits, limits.prompt_chars(engine.max_model_len)),
                 AdmissionControl(self.config.max_num_queued_requests, lambda: async_engine.num_waiting_seqs),
                 self.metrics,
+                chat_options(self.config),
             )
+            # xgrammar takes seconds to import: load it now, off the request path, not on the first request.
+            threading.Thread(
+                target=_warm_up_structured_outputs, args=(engine,), name="grammar-warmup", daemon=True
+            ).start()
             self.engine = async_engine
             logger.info("model %s loaded; ready", self.model_name)
         except Exception as exc:  # in the log, the termination message, /health and /ready; then exit 1
@@ -213,6 +225,21 @@ def build_app(config: ServerConfig) -> FastAPI:
     app.add_middleware(RequestIdMiddleware)
     _add_routes(app, state)
     return app
+
+
+def _warm_up_structured_outputs(engine: LLMEngine) -> None:
+    # A tokenizer xgrammar cannot read is logged once; requests that ask for structured outputs get a 400 saying why.
+    with contextlib.suppress(ValueError):
+        engine.structured_output_compiler()
+
+
+def chat_options(config: ServerConfig) -> ChatOptions:
+    """The chat flags as the parsers they name."""
+    return ChatOptions(
+        enable_auto_tool_choice=config.enable_auto_tool_choice,
+        tool_parser=get_tool_parser(config.tool_call_parser) if config.tool_call_parser else None,
+        reasoning_parser=get_reasoning_parser(config.reasoning_parser) if config.reasoning_parser else None,
+    )
 
 
 def _add_routes(app: FastAPI, state: ServerState) -> None:

@@ -16,8 +16,17 @@ DEFAULT_MAX_LOGIT_BIAS = 1024
 DEFAULT_MAX_N = 128
 DEFAULT_HTTP_HEADER_TIMEOUT = 10.0
 DEFAULT_HTTP_BODY_TIMEOUT = 30.0
+DEFAULT_MAX_TOOLS = 128
+# A JSON Schema of a few hundred properties is tens of KiB; compiling grows with the size.
+DEFAULT_MAX_STRUCTURED_OUTPUT_CHARS = 256 * 1024
+DEFAULT_STRUCTURED_OUTPUT_COMPILE_TIMEOUT = 30.0
+DEFAULT_MAX_PENDING_COMPILES = 64
 
 # Where prompts are tokenized (entrypoints/openai/tokenizer_pool.py).
 POOL_TYPES = ("process", "thread")
 DEFAULT_POOL_TYPE = "process"
 DEFAULT_POOL_SIZE = 1
+
+# Output parsers of `pagoda serve` (the tool_parsers package and reasoning_parsers.py hold the same names).
+TOOL_CALL_PARSER_NAMES = ("hermes", "llama3_json", "mistral")
+REASONING_PARSER_NAMES = ("qwen3", "deepseek_r1")

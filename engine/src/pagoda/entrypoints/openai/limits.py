@@ -18,9 +18,13 @@ from pagoda.entrypoints.openai.defaults import (
     DEFAULT_MAX_LOGIT_BIAS,
     DEFAULT_MAX_MESSAGES,
     DEFAULT_MAX_N,
+    DEFAULT_MAX_PENDING_COMPILES,
     DEFAULT_MAX_PROMPTS_PER_REQUEST,
     DEFAULT_MAX_REQUEST_BODY_BYTES,
     DEFAULT_MAX_STOP_SEQUENCES,
+    DEFAULT_MAX_STRUCTURED_OUTPUT_CHARS,
+    DEFAULT_MAX_TOOLS,
+    DEFAULT_STRUCTURED_OUTPUT_COMPILE_TIMEOUT,
     PROMPT_CHARS_PER_TOKEN,
 )
 from pagoda.entrypoints.openai.errors import OpenAIError, bad_request, too_many_requests
@@ -40,6 +44,10 @@ class ServerLimits:
     max_n: int = DEFAULT_MAX_N
     http_header_timeout: float = DEFAULT_HTTP_HEADER_TIMEOUT
     http_body_timeout: float = DEFAULT_HTTP_BODY_TIMEOUT
+    max_tools: int = DEFAULT_MAX_TOOLS
+    max_structured_output_chars: int = DEFAULT_MAX_STRUCTURED_OUTPUT_CHARS  # a schema, regex, grammar or choices
+    structured_output_compile_timeout: float = DEFAULT_STRUCTURED_OUTPUT_COMPILE_TIMEOUT
+    max_pending_compiles: int = DEFAULT_MAX_PENDING_COMPILES  # output constraints compiling at once (then 429)
 
     def validate(self) -> None:
         """ValueError naming the flag of any limit that is not positive."""
@@ -89,6 +97,21 @@ class RequestChecker:
         """400 for more messages than allowed, or more text in them than the character limit."""
         _check_count("messages", len(messages), self.limits.max_messages, "--max-messages")
         self._check_chars("messages", sum(_text_length(m) for m in messages))
+
+    def check_tools(self, tools: Sequence[dict]) -> None:
+        """400 for more tools than allowed, or more text in them than the character limit."""
+        _check_count("tools", len(tools), self.limits.max_tools, "--max-tools")
+        self._check_chars("tools", sum(_text_length(t) for t in tools))
+
+    def check_structured_output(self, chars: int, param: Optional[str]) -> None:
+        """400 for a constraint (schema, regex, grammar, choices) longer than the limit: compiling costs
+        time on a shared thread that grows with it."""
+        limit = self.limits.max_structured_output_chars
+        if chars > limit:
+            raise bad_request(
+                f"{param} has {chars} characters; at most {limit} are accepted (--max-structured-output-chars).",
+                param=param,
+            )
 
     def _check_chars(self, param: str, length: int) -> None:
         if length > self.max_prompt_chars:

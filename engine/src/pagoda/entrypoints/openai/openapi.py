@@ -83,9 +83,22 @@ class ChatLogprobs(BaseModel):
     content: Optional[list[TokenLogprob]] = None
 
 
+class ToolCallFunction(BaseModel):
+    name: str
+    arguments: str  # JSON text of an object
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: str  # "function"
+    function: ToolCallFunction
+
+
 class AssistantMessage(BaseModel):
     role: str
     content: Optional[str] = None
+    reasoning_content: Optional[str] = None  # with --reasoning-parser
+    tool_calls: Optional[list[ToolCall]] = None
 
 
 class ChatChoice(BaseModel):
@@ -118,9 +131,23 @@ class CompletionChunk(BaseModel):
     usage: Optional[Usage] = None
 
 
+class ToolCallFunctionDelta(BaseModel):
+    name: Optional[str] = None  # in a call's first fragment
+    arguments: str = ""  # fragments of the arguments' JSON text, to be concatenated
+
+
+class ToolCallDelta(BaseModel):
+    index: int
+    id: Optional[str] = None  # in a call's first fragment
+    type: Optional[str] = None
+    function: ToolCallFunctionDelta
+
+
 class ChatDelta(BaseModel):
     role: Optional[str] = None
     content: Optional[str] = None
+    reasoning_content: Optional[str] = None
+    tool_calls: Optional[list[ToolCallDelta]] = None
 
 
 class ChatStreamChoice(BaseModel):

@@ -16,6 +16,15 @@ from typing import Annotated, Any, Optional, Union
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, WithJsonSchema, field_validator
 
 from pagoda.entrypoints.openai.errors import sampling_error
+from pagoda.entrypoints.openai.protocol_schemas import (
+    LOGIT_BIAS_SCHEMA,
+    RESPONSE_FORMAT_SCHEMA,
+    STRUCTURED_OUTPUTS_SCHEMA,
+    SUPPORTED_RESPONSE_FORMATS,
+    TOOL_CHOICE_SCHEMA,
+    TOOL_SCHEMA,
+    nullable,
+)
 from pagoda.sampling_params import (
     MAX_LOGIT_BIAS,
     MAX_REPETITION_PENALTY,
@@ -26,12 +35,16 @@ from pagoda.sampling_params import (
     RequestOutputKind,
     SamplingParams,
 )
+from pagoda.structured_output.params import StructuredOutputsParams
 
 # vLLM's default --max-logprobs.
 MAX_LOGPROBS = 20
 # Request fields whose default comes from the model's generation config when the request leaves them unset.
 GENERATION_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-SUPPORTED_RESPONSE_FORMATS = ("text", "json_object")
+# Arguments the server itself passes to the chat template.
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {"messages", "tools", "documents", "add_generation_prompt", "continue_final_message", "chat_template", "tokenize"}
+)
 
 
 def _json_integer(value: object) -> object:
@@ -52,20 +65,6 @@ PromptInput = Union[
     Annotated[list[TokenIds], Field(min_length=1)],
 ]
 Prompt = Union[str, list[int]]
-_LOGIT_BIAS_SCHEMA = {
-    "type": "object",
-    "propertyNames": {"pattern": "^[0-9]+$"},
-    "additionalProperties": {"type": "number", "minimum": -MAX_LOGIT_BIAS, "maximum": MAX_LOGIT_BIAS},
-}
-_RESPONSE_FORMAT_SCHEMA = {
-    "type": "object",
-    "properties": {"type": {"type": "string", "enum": list(SUPPORTED_RESPONSE_FORMATS)}},
-    "required": ["type"],
-}
-
-
-def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
-    return {"anyOf": [schema, {"type": "null"}], "default": None}
 
 
 # Strict types (no "1" for 1, no 0 for false), unknown fields ignored.
@@ -146,7 +145,7 @@ class _SamplingRequest(BaseModel):
     repetition_penalty: Optional[float] = Field(default=None, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)
     logit_bias: Annotated[
         Optional[dict[str, Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]]],
-        WithJsonSchema(_nullable(_LOGIT_BIAS_SCHEMA)),
+        WithJsonSchema(nullable(LOGIT_BIAS_SCHEMA)),
     ] = None
     ignore_eos: bool = False
     min_tokens: Int = Field(default=0, ge=0)
@@ -155,6 +154,13 @@ class _SamplingRequest(BaseModel):
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     user: Optional[str] = None
+    # Structured outputs: at most one of these (structured_request.py turns them into StructuredOutputsParams).
+    response_format: Annotated[Optional[dict[str, Any]], WithJsonSchema(nullable(RESPONSE_FORMAT_SCHEMA))] = None
+    structured_outputs: Annotated[Optional[dict[str, Any]], WithJsonSchema(nullable(STRUCTURED_OUTPUTS_SCHEMA))] = None
+    guided_json: Union[None, str, dict[str, Any]] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[Annotated[list[str], Field(min_length=1)]] = None
+    guided_grammar: Optional[str] = None
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -167,6 +173,16 @@ class _SamplingRequest(BaseModel):
     def _stream_options_need_stream(cls, value: Optional[StreamOptions], info: ValidationInfo) -> Any:
         if value is not None and not info.data.get("stream", False):
             raise ValueError("stream_options can only be set when stream is true")
+        return value
+
+    @field_validator("response_format")
+    @classmethod
+    def _supported_response_format(cls, value: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
+        if value is not None and value.get("type") not in SUPPORTED_RESPONSE_FORMATS:
+            raise ValueError(
+                f"response_format type {value.get('type')!r} is not supported; supported types are "
+                + ", ".join(repr(t) for t in SUPPORTED_RESPONSE_FORMATS)
+            )
         return value
 
     def _sampling_params(
@@ -233,7 +249,12 @@ class CompletionRequest(_SamplingRequest):
             return [list(prompt)]  # type: ignore[arg-type]
         return [p if isinstance(p, str) else list(p) for p in prompt]  # type: ignore[union-attr]
 
-    def to_sampling_params(self, default_max_tokens: Optional[int], defaults: Mapping[str, Any]) -> SamplingParams:
+    def to_sampling_params(
+        self,
+        default_max_tokens: Optional[int],
+        defaults: Mapping[str, Any],
+        structured_outputs: Optional[StructuredOutputsParams] = None,
+    ) -> SamplingParams:
         """The request's SamplingParams (raises ``OpenAIError`` 400 for invalid values).
 
         ``default_max_tokens`` is used when the request sets ``max_tokens`` to null (None: up to the
@@ -242,7 +263,13 @@ class CompletionRequest(_SamplingRequest):
         """
         max_tokens = self.max_tokens if self.max_tokens is not None else default_max_tokens
         prompt_logprobs = self.logprobs if self.echo and self.logprobs is not None else None
-        return self._sampling_params(max_tokens, self.logprobs, defaults, prompt_logprobs=prompt_logprobs)
+        return self._sampling_params(
+            max_tokens,
+            self.logprobs,
+            defaults,
+            prompt_logprobs=prompt_logprobs,
+            structured_outputs=structured_outputs,
+        )
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -253,14 +280,15 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: Optional[Int] = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: Optional[Int] = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    # What the schema says is what is accepted today: no tools, and no grammar-constrained formats.
-    response_format: Annotated[Optional[dict[str, Any]], WithJsonSchema(_nullable(_RESPONSE_FORMAT_SCHEMA))] = None
-    tools: Annotated[Optional[list[Any]], WithJsonSchema(_nullable({"type": "array", "maxItems": 0}))] = None
-    tool_choice: Annotated[
-        Union[None, str, dict[str, Any]], WithJsonSchema(_nullable({"type": "string", "enum": ["none"]}))
+    tools: Annotated[
+        Optional[list[dict[str, Any]]], WithJsonSchema(nullable({"type": "array", "items": TOOL_SCHEMA}))
     ] = None
-    # vLLM extension: whether the chat template appends the assistant turn's opening.
+    tool_choice: Annotated[Union[None, str, dict[str, Any]], WithJsonSchema(nullable(TOOL_CHOICE_SCHEMA))] = None
+    parallel_tool_calls: bool = True
+    # vLLM extensions: what reaches the chat template.
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: Optional[dict[str, Any]] = None
 
     @field_validator("top_logprobs")
     @classmethod
@@ -269,32 +297,27 @@ class ChatCompletionRequest(_SamplingRequest):
             raise ValueError("top_logprobs requires logprobs to be true")
         return value
 
-    @field_validator("response_format")
+    @field_validator("continue_final_message")
     @classmethod
-    def _supported_response_format(cls, value: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
-        # json_object is accepted as OpenAI clients send it routinely; the output is not grammar-constrained.
-        if value is not None and value.get("type") not in SUPPORTED_RESPONSE_FORMATS:
-            raise ValueError(
-                f"response_format type {value.get('type')!r} is not supported; supported types are 'text' and "
-                "'json_object'"
-            )
+    def _continue_or_generate(cls, value: bool, info: ValidationInfo) -> bool:
+        if value and info.data.get("add_generation_prompt", True):
+            raise ValueError("continue_final_message requires add_generation_prompt to be false")
         return value
 
-    @field_validator("tools")
+    @field_validator("chat_template_kwargs")
     @classmethod
-    def _no_tools(cls, value: Optional[list[Any]]) -> Optional[list[Any]]:
-        if value:
-            raise ValueError("tools are not supported")
+    def _template_kwargs(cls, value: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
+        reserved = sorted(set(value or ()) & RESERVED_TEMPLATE_KWARGS)
+        if reserved:
+            raise ValueError(f"chat_template_kwargs may not set {reserved}: use the request's own fields")
         return value
 
-    @field_validator("tool_choice")
-    @classmethod
-    def _no_tool_choice(cls, value: Union[None, str, dict[str, Any]]) -> Union[None, str, dict[str, Any]]:
-        if value is not None and value != "none":
-            raise ValueError("tool_choice other than 'none' is not supported: tools are not supported")
-        return value
-
-    def to_sampling_params(self, default_max_tokens: Optional[int], defaults: Mapping[str, Any]) -> SamplingParams:
+    def to_sampling_params(
+        self,
+        default_max_tokens: Optional[int],
+        defaults: Mapping[str, Any],
+        structured_outputs: Optional[StructuredOutputsParams] = None,
+    ) -> SamplingParams:
         """The request's SamplingParams (raises ``OpenAIError`` 400 for invalid values).
 
         ``max_completion_tokens`` wins over the deprecated ``max_tokens``; with neither,
@@ -304,7 +327,7 @@ class ChatCompletionRequest(_SamplingRequest):
             (v for v in (self.max_completion_tokens, self.max_tokens, default_max_tokens) if v is not None), None
         )
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling_params(max_tokens, logprobs, defaults)
+        return self._sampling_params(max_tokens, logprobs, defaults, structured_outputs=structured_outputs)
 
 
 class TokenizeRequest(BaseModel):

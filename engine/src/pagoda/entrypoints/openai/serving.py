@@ -5,7 +5,8 @@ a streamed request gets the same 4xx as a plain one:
 
 1. limits (:mod:`limits`): list lengths, characters, ``n`` - microseconds, before any real work;
 2. admission: its prompts x n sequences are reserved against ``--max-num-queued-requests`` (429 if full);
-3. tokenizing or chat-template rendering on the tokenizer pool (never the event loop or engine thread);
+3. a structured-output constraint is compiled (a 400 if it cannot be), tokenizing or chat-template
+   rendering on the tokenizer pool (never the event loop or engine thread);
 4. the engine's own checks (context length, token ids), then submission and the engine's acknowledgement.
 """
 
@@ -29,6 +30,7 @@ from pagoda.entrypoints.openai.errors import (
     internal_error,
     sampling_error,
     service_unavailable,
+    too_many_requests,
 )
 from pagoda.entrypoints.openai.http_guards import request_id_of
 from pagoda.entrypoints.openai.limits import AdmissionControl, RequestChecker
@@ -42,16 +44,19 @@ from pagoda.entrypoints.openai.protocol import (
 from pagoda.entrypoints.openai.responses import (
     CLIENT_CLOSED_REQUEST,
     StreamUsage,
-    chat_logprobs,
     completion_logprobs,
     merge_streams,
     sse_response,
     until_disconnected,
     usage,
 )
+from pagoda.entrypoints.openai.serving_chat import ChatOptions, ChatServing
+from pagoda.entrypoints.openai.structured_request import compile_error, spec_chars, structured_outputs_of
 from pagoda.entrypoints.openai.tokenizer_pool import TokenizerPool, TokenizerPoolError
 from pagoda.outputs import CompletionOutput, RequestOutput
 from pagoda.sampling_params import SamplingParams
+from pagoda.structured_output.compiler import CompileQueueFull
+from pagoda.structured_output.params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -59,14 +64,14 @@ Prompt = Union[str, list[int]]
 
 
 @dataclass(slots=True)
-class _Sub:
+class Sub:
     """One engine request behind an HTTP request (a completions call with k prompts has k)."""
 
     request_id: str
     prompt: Prompt
     prompt_ids: list[int]
     index_base: int  # choice index = index_base + completion index
-    stream: Optional[RequestStream] = None  # set by OpenAIServing._submit
+    stream: Optional[RequestStream] = None  # set by OpenAIServing.submit
 
 
 class OpenAIServing:
@@ -80,6 +85,7 @@ class OpenAIServing:
         checker: RequestChecker,
         admission: AdmissionControl,
         metrics=None,
+        chat_options: Optional[ChatOptions] = None,
     ) -> None:
         self.engine = engine
         self.model_name = model_name
@@ -88,29 +94,32 @@ class OpenAIServing:
         self.admission = admission
         self.metrics = metrics
         self._engine_ids = itertools.count()
+        self.chat_serving = ChatServing(self, chat_options or ChatOptions())
 
     # ---- completions ---------------------------------------------------------------------
 
     async def completions(self, body: CompletionRequest, raw: Request) -> Response:
         request_id = request_id_of(raw.scope)
-        params = self._params(body)
+        spec, spec_field = structured_outputs_of(body)
+        params = self.sampling_params(body, spec)
         prompts = body.prompts()
         self.checker.check_prompts(prompts)
-        self._check_sampling(body, params)
+        self.check_sampling(body, params)
         with self.admission.reserve(len(prompts) * params.n):
+            await self.compile_structured_output(spec, spec_field)
             prompt_ids = await self._tokenize(prompts)
             subs = [
-                _Sub(self._engine_id("cmpl", request_id), p, ids, i * params.n)
+                Sub(self.engine_id("cmpl", request_id), p, ids, i * params.n)
                 for i, (p, ids) in enumerate(zip(prompts, prompt_ids))
             ]
-            self._submit(subs, params)
-        await self._admitted(subs)
+            self.submit(subs, params)
+        await self.admitted(subs)
         response_id, created = f"cmpl-{request_id}", int(time.time())
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             chunks = self._completion_chunks(subs, params, response_id, created, include_usage, body.echo)
             return sse_response(chunks, request_id)
-        finals = await until_disconnected(raw, request_id, asyncio.gather(*(self._final(s, params) for s in subs)))
+        finals = await until_disconnected(raw, request_id, asyncio.gather(*(self.final(s, params) for s in subs)))
         if finals is None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         choices = []
@@ -138,7 +147,7 @@ class OpenAIServing:
         )
 
     async def _completion_chunks(
-        self, subs: list[_Sub], params: SamplingParams, response_id: str, created: int, include_usage: bool, echo: bool
+        self, subs: list[Sub], params: SamplingParams, response_id: str, created: int, include_usage: bool, echo: bool
     ) -> AsyncIterator[dict]:
         def chunk(index: int, text: str, c: Optional[CompletionOutput]) -> dict:
             return {
@@ -163,7 +172,7 @@ class OpenAIServing:
                 for i in range(params.n):
                     yield chunk(sub.index_base + i, text, None)
         stream_usage = StreamUsage()
-        async for sub, output in merge_streams((s, self._stream(s, params)) for s in subs):
+        async for sub, output in merge_streams((s, self.stream(s, params)) for s in subs):
             stream_usage.add(output)
             for c in output.outputs:
                 yield chunk(sub.index_base + c.index, c.text, c)
@@ -180,81 +189,7 @@ class OpenAIServing:
     # ---- chat ----------------------------------------------------------------------------
 
     async def chat(self, body: ChatCompletionRequest, raw: Request) -> Response:
-        request_id = request_id_of(raw.scope)
-        params = self._params(body)
-        messages = message_dicts(body.messages)
-        self.checker.check_messages(messages)
-        self._check_sampling(body, params)
-        with self.admission.reserve(params.n):
-            try:
-                prompt_ids = await self.pool.render_chat(messages, body.add_generation_prompt)
-            except ValueError as exc:
-                raise bad_request(str(exc), param="messages") from None
-            except TokenizerPoolError as exc:
-                raise internal_error(str(exc)) from None
-            sub = _Sub(self._engine_id("chatcmpl", request_id), prompt_ids, prompt_ids, 0)
-            self._submit([sub], params)
-        await self._admitted([sub])
-        response_id, created = f"chatcmpl-{request_id}", int(time.time())
-        if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return sse_response(self._chat_chunks(sub, params, response_id, created, include_usage), request_id)
-        output = await until_disconnected(raw, request_id, self._final(sub, params))
-        if output is None:
-            return Response(status_code=CLIENT_CLOSED_REQUEST)
-        choices = [
-            {
-                "index": c.index,
-                "message": {"role": "assistant", "content": c.text},
-                "logprobs": chat_logprobs(c, params.logprobs) if params.logprobs is not None else None,
-                "finish_reason": c.finish_reason,
-                "stop_reason": c.stop_reason,
-            }
-            for c in output.outputs
-        ]
-        return JSONResponse(
-            {
-                "id": response_id,
-                "object": "chat.completion",
-                "created": created,
-                "model": self.model_name,
-                "choices": choices,
-                "usage": usage([output]),
-            }
-        )
-
-    async def _chat_chunks(
-        self, sub: _Sub, params: SamplingParams, response_id: str, created: int, include_usage: bool
-    ) -> AsyncIterator[dict]:
-        def chunk(choices: list[dict], **extra) -> dict:
-            return {
-                "id": response_id,
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": self.model_name,
-                "choices": choices,
-                **extra,
-            }
-
-        yield chunk(
-            [
-                {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-                for i in range(params.n)
-            ]
-        )
-        stream_usage = StreamUsage()
-        async for output in self._stream(sub, params):
-            stream_usage.add(output)
-            for c in output.outputs:
-                choice = {
-                    "index": c.index,
-                    "delta": {"content": c.text} if c.text or not c.finished else {},
-                    "logprobs": chat_logprobs(c, params.logprobs) if params.logprobs is not None else None,
-                    "finish_reason": c.finish_reason,
-                }
-                yield chunk([choice])
-        if include_usage:
-            yield chunk([], usage=stream_usage.body())
+        return await self.chat_serving.chat(body, raw)
 
     # ---- tokenizer endpoints ---------------------------------------------------------------
 
@@ -286,17 +221,54 @@ class OpenAIServing:
 
     # ---- shared --------------------------------------------------------------------------
 
-    def _params(self, body: Union[CompletionRequest, ChatCompletionRequest]) -> SamplingParams:
+    def sampling_params(
+        self, body: Union[CompletionRequest, ChatCompletionRequest], spec: Optional[StructuredOutputsParams] = None
+    ) -> SamplingParams:
         defaults = self.engine.engine.model_config.generation_defaults
         if self.engine.engine.args.generation_config == "vllm":
             defaults = {}
         # raises OpenAIError (400 naming the field) for values SamplingParams rejects
-        return body.to_sampling_params(None, defaults)
+        return body.to_sampling_params(None, defaults, structured_outputs=spec)
 
-    def _check_sampling(self, body: Union[CompletionRequest, ChatCompletionRequest], params: SamplingParams) -> None:
+    async def compile_structured_output(self, spec: Optional[StructuredOutputsParams], field: Optional[str]) -> None:
+        """Compile a request's constraint before it is submitted, so that one the engine cannot compile is a
+        400 naming ``field`` (streamed or not) and the engine finds it compiled. The compile thread is shared
+        and cannot be interrupted: a request whose compile takes longer than the limit gets a 400, and the
+        grammar is still cached when it finishes."""
+        if spec is None:
+            return
+        self.checker.check_structured_output(spec_chars(spec), field)
+        limits, engine = self.checker.limits, self.engine.engine
+        try:
+            # First use imports xgrammar (seconds): never on the event loop.
+            future = await asyncio.to_thread(engine.compile_structured_output, spec, limits.max_pending_compiles)
+            await asyncio.wait_for(
+                asyncio.shield(asyncio.wrap_future(future)), limits.structured_output_compile_timeout
+            )
+        except ValueError as exc:
+            raise compile_error(exc, field) from None
+        except CompileQueueFull:
+            raise too_many_requests(1) from None
+        except TimeoutError:
+            engine.structured_output_compiler().forget(spec)  # still queued: never compile it
+            raise bad_request(
+                f"{field}: compiling this constraint took longer than {limits.structured_output_compile_timeout:g} s;"
+                " simplify it",
+                field,
+            ) from None
+        except asyncio.CancelledError:
+            if future.cancelled():  # another request with this spec timed out and dropped the queued compile
+                raise too_many_requests(1) from None
+            raise
+
+    def check_sampling(self, body: Union[CompletionRequest, ChatCompletionRequest], params: SamplingParams) -> None:
         self.checker.check_sampling(params.n, body.stop, body.stop_token_ids, body.logit_bias)
 
-    def _engine_id(self, kind: str, request_id: str) -> str:
+    def new_sub(self, kind: str, request_id: str, prompt_ids: list[int]) -> Sub:
+        """The one engine request of a chat completion."""
+        return Sub(self.engine_id(kind, request_id), prompt_ids, prompt_ids, 0)
+
+    def engine_id(self, kind: str, request_id: str) -> str:
         # Unique even when clients reuse an X-Request-Id, and still found in the logs by it.
         return f"{kind}-{request_id}-{next(self._engine_ids)}"
 
@@ -314,7 +286,7 @@ class OpenAIServing:
         encoded = iter(results)
         return [next(encoded) if isinstance(p, str) else p for p in prompts]  # type: ignore[misc]
 
-    async def _prompt_text(self, sub: _Sub) -> str:
+    async def _prompt_text(self, sub: Sub) -> str:
         if isinstance(sub.prompt, str):
             return sub.prompt
         try:
@@ -322,7 +294,7 @@ class OpenAIServing:
         except TokenizerPoolError as exc:
             raise internal_error(str(exc)) from None
 
-    def _submit(self, subs: list[_Sub], params: SamplingParams) -> None:
+    def submit(self, subs: list[Sub], params: SamplingParams) -> None:
         """Check every sub against the engine, then queue them all with no ``await`` in between (the
         caller's admission reservation is handed over to the engine's own count in the same step)."""
         for sub in subs:
@@ -337,7 +309,7 @@ class OpenAIServing:
             _close(subs)
             raise service_unavailable("the engine is not running; the request was not accepted") from None
 
-    async def _admitted(self, subs: list[_Sub]) -> None:
+    async def admitted(self, subs: list[Sub]) -> None:
         """Wait until the engine has taken every sub; on any refusal, abort them all and answer it."""
         try:
             for sub in subs:
@@ -347,14 +319,14 @@ class OpenAIServing:
             _close(subs)
             raise _as_openai_error(exc) from None
 
-    async def _final(self, sub: _Sub, params: SamplingParams) -> RequestOutput:
+    async def final(self, sub: Sub, params: SamplingParams) -> RequestOutput:
         final = None
-        async for output in self._stream(sub, params):
+        async for output in self.stream(sub, params):
             final = output
         assert final is not None and final.finished
         return final
 
-    async def _stream(self, sub: _Sub, params: SamplingParams) -> AsyncIterator[RequestOutput]:
+    async def stream(self, sub: Sub, params: SamplingParams) -> AsyncIterator[RequestOutput]:
         assert sub.stream is not None, "submit before streaming"
         finished = False
         try:
@@ -381,7 +353,7 @@ def _engine_refusal(exc: ValueError) -> OpenAIError:
     return error
 
 
-def _close(subs: list[_Sub]) -> None:
+def _close(subs: list[Sub]) -> None:
     for sub in subs:
         if sub.stream is not None:
             sub.stream.close()

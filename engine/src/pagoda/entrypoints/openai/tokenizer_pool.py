@@ -48,6 +48,15 @@ class TokenizerSpec:
     chat_template: Optional[str] = None
 
 
+@dataclass(frozen=True, slots=True)
+class ChatRenderOptions:
+    """What else a chat request hands its template (picklable)."""
+
+    tools: Optional[list[dict[str, Any]]] = None
+    continue_final_message: bool = False
+    template_kwargs: Optional[dict[str, Any]] = None
+
+
 # ---- worker side: one tokenizer per process (process pool) or per thread (thread pool) ----------
 
 _local = threading.local()
@@ -74,14 +83,22 @@ def _encode(text: str, add_special_tokens: bool) -> list[int]:
     return encode_prompt(_tokenizer(), text, add_special_tokens)
 
 
-def _render_chat(messages: list[dict[str, Any]], add_generation_prompt: bool) -> list[int]:
+def _render_chat(messages: list[dict[str, Any]], add_generation_prompt: bool, options: ChatRenderOptions) -> list[int]:
     tokenizer = _tokenizer()
     template = _local.spec.chat_template
     if template is None and not getattr(tokenizer, "chat_template", None):
         raise ValueError(
             "this model has no chat template; start the server with --chat-template to use chat completions"
         )
-    text = render_chat_template(tokenizer, messages, template, add_generation_prompt)
+    text = render_chat_template(
+        tokenizer,
+        messages,
+        template,
+        add_generation_prompt,
+        tools=options.tools,
+        continue_final_message=options.continue_final_message,
+        template_kwargs=options.template_kwargs,
+    )
     return encode_prompt(tokenizer, text, add_special_tokens=False)
 
 
@@ -136,9 +153,14 @@ class TokenizerPool:
         """Token ids of a prompt; ValueError if the tokenizer refuses it."""
         return await self._run(_encode, text, add_special_tokens)
 
-    async def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+    async def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        options: Optional[ChatRenderOptions] = None,
+    ) -> list[int]:
         """Token ids of the chat template applied to ``messages``; ValueError for messages it refuses."""
-        return await self._run(_render_chat, messages, add_generation_prompt)
+        return await self._run(_render_chat, messages, add_generation_prompt, options or ChatRenderOptions())
 
     async def decode(self, token_ids: list[int]) -> str:
         return await self._run(_decode, token_ids)

@@ -1,0 +1,172 @@
+"""Compiling structured-output specs into xgrammar grammars, off the engine thread and cached by spec.
+
+xgrammar compiles in native code without holding the GIL (measured: the engine thread keeps running with
+sub-millisecond gaps), so one compile thread is enough to keep compilation out of every step. Results are
+cached by the spec's key: the second request with a schema gets an already-finished future. Failed specs
+are cached too (the same spec fails the same way) and reported as ``ValueError`` naming the field.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Optional
+
+from pagoda.structured_output.params import StructuredOutputsParams
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CACHE_SIZE = 512  # compiled specs kept (a compiled JSON grammar is tens to hundreds of KiB)
+DEFAULT_MAX_WHITESPACE = 0  # longest whitespace run between JSON tokens; 0: compact JSON (", " and ": ")
+
+
+class StructuredOutputCompiler:
+    """Owns the xgrammar tokenizer info and compiler for one model's vocabulary.
+
+    ``vocab_size`` is the model's (its logits' width), which may exceed the tokenizer's: ids without a
+    token are never allowed. ``stop_token_ids`` end a finished grammar (the model's EOS ids).
+    ``max_whitespace`` bounds runs of whitespace in JSON outputs (0: compact JSON, no free whitespace), so a
+    model cannot loop on whitespace until max_tokens.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        stop_token_ids: Iterable[int],
+        max_whitespace: int = DEFAULT_MAX_WHITESPACE,
+        cache_size: int = DEFAULT_CACHE_SIZE,
+    ) -> None:
+        import xgrammar as xgr  # 2 s to import: only engines that serve structured outputs pay it
+
+        if max_whitespace < 0 or cache_size < 1:
+            raise ValueError("max_whitespace must be >= 0 and cache_size >= 1")
+        self._xgr = xgr
+        self.vocab_size = vocab_size
+        self.max_whitespace = max_whitespace
+        info = xgr.TokenizerInfo.from_huggingface(
+            tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(set(stop_token_ids))
+        )
+        # xgrammar's own cache is off: ours caches futures, so concurrent requests for one spec compile once.
+        self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
+        self._cache: OrderedDict[tuple, Future] = OrderedDict()
+        self._cache_size = cache_size
+        self._lock = threading.Lock()
+
+    def compile(self, params: StructuredOutputsParams, max_pending: Optional[int] = None) -> Future:
+        """A future of the compiled grammar; its exception is a ValueError naming what is wrong.
+
+        With ``max_pending``, a spec that is not cached yet is refused (:class:`CompileQueueFull`) while that
+        many compiles are queued or running: the compile thread is shared, and a flood of slow specs must not
+        make every later request wait behind it."""
+        key = params.key
+        with self._lock:
+            future = self._cache.get(key)
+            if future is not None:
+                self._cache.move_to_end(key)
+                return future
+            if max_pending is not None and self.num_pending >= max_pending:
+                raise CompileQueueFull(f"{self.num_pending} output constraints are compiling")
+            future = self._executor.submit(self._compile, params)
+            self._cache[key] = future
+            while len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
+        return future
+
+    @property
+    def num_pending(self) -> int:
+        """Compiles queued or running."""
+        return sum(1 for future in self._cache.values() if not future.done())
+
+    def forget(self, params: StructuredOutputsParams) -> bool:
+        """Cancel a compile that has not started and drop it from the cache (True if it was cancelled)."""
+        with self._lock:
+            future = self._cache.get(params.key)
+            if future is None or not future.cancel():
+                return False
+            del self._cache[params.key]
+            return True
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    def _compile(self, params: StructuredOutputsParams) -> Any:
+        kind = params.kind
+        try:
+            if kind == "json":
+                return self._compile_json(params)
+            if kind == "json_object":  # any object, under the same whitespace rule as a schema
+                return self._compile_schema('{"type": "object"}', strict=False)
+            if kind == "regex":
+                return self._compiler.compile_regex(params.regex)
+            if kind == "choice":
+                return self._compiler.compile_grammar(choice_grammar(params.choice))
+            return self._compiler.compile_grammar(params.grammar)
+        except ValueError:
+            raise
+        except Exception as exc:  # xgrammar raises RuntimeError (and subclasses) for what it cannot parse
+            raise ValueError(f"structured_outputs.{kind} could not be compiled: {_first_line(exc)}") from None
+
+    def _compile_json(self, params: StructuredOutputsParams) -> Any:
+        check_json_schema(params.schema, "structured_outputs.json")
+        return self._compile_schema(params.json, strict=True)
+
+    def _compile_schema(self, schema: str, strict: bool) -> Any:
+        grammar = self._xgr.Grammar.from_json_schema(
+            schema,
+            any_whitespace=self.max_whitespace > 0,
+            max_whitespace_cnt=self.max_whitespace or None,
+            strict_mode=strict,
+        )
+        return self._compiler.compile_grammar(valid_json_strings(str(grammar)))
+
+
+class CompileQueueFull(RuntimeError):
+    """Too many output constraints are compiling; try again later."""
+
+
+def check_json_schema(schema: Any, where: str) -> None:
+    """ValueError (starting with ``where``) unless ``schema`` is a valid JSON Schema of its declared draft."""
+    from jsonschema import exceptions, validators
+
+    try:
+        validators.validator_for(schema).check_schema(schema)
+    except exceptions.SchemaError as exc:
+        path = "".join(f"[{p!r}]" if isinstance(p, int) else f".{p}" for p in exc.absolute_path)
+        raise ValueError(f"{where}{path} is not a valid JSON Schema: {exc.message}") from None
+
+
+# Characters of a JSON string, as xgrammar 0.2.9 writes them: for strings with a length bound, "not a quote,
+# backslash, CR or LF", which lets the control characters that JSON forbids unescaped through (json.loads refuses
+# the output); for the others, "not a quote, backslash or control character". Neither excludes the surrogate
+# code points U+D800-U+DFFF, whose UTF-8 encodings are invalid and decode to U+FFFD (observed: a string of
+# maxLength 8 came out as 10 characters). Every one becomes the class JSON actually allows.
+_STRING_CHAR_CLASSES = (r"[^\"\\\r\n]", r"[^\0-\x1f\"\\\r\n]", r"[^\"\\\0-\x1f]")
+_JSON_STRING_CHAR = r"[^\0-\x1f\"\\\ud800-\udfff]"
+
+
+def valid_json_strings(ebnf: str) -> str:
+    """xgrammar's JSON grammar with string characters restricted to what JSON and UTF-8 allow."""
+    for char_class in _STRING_CHAR_CLASSES:
+        ebnf = ebnf.replace(char_class, _JSON_STRING_CHAR)
+    return ebnf
+
+
+def choice_grammar(choices: Iterable[str]) -> str:
+    """An EBNF grammar whose language is exactly the given strings (JSON string escapes are EBNF's too)."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+# xgrammar prefixes its messages with a time and its C++ source location: not for clients.
+_NATIVE_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:[0-9]+: ")
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    return _NATIVE_PREFIX.sub("", text.splitlines()[0])[:500]
