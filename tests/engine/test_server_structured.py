@@ -14,7 +14,7 @@ from typing import Literal
 import jsonschema
 import openai
 import pytest
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 from server_helpers import start_server
 from tiny_chat_model import build_tiny_chat_tokenizer
 
@@ -54,11 +54,16 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
 class Owner(BaseModel):
+    # extra="forbid": additionalProperties false, so the schema itself rules out properties it does not list
+    model_config = ConfigDict(extra="forbid")
+
     name: str = Field(max_length=6)
     level: int = Field(ge=0, le=9)
 
 
 class Ticket(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     status: Literal["open", "closed"]
     priority: int = Field(ge=1, le=5)
     urgent: bool
@@ -203,22 +208,40 @@ def _check_calls(calls) -> None:
         jsonschema.validate(json.loads(call.function.arguments), PARAMETERS[call.function.name])
 
 
-def test_required_tool_call_round_trip(client):
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_tool_call_round_trip(client, tool_choice, stream):
+    """The model calls a tool, the client answers with a tool message, and the model continues."""
     model = model_of(client)
-    first = client.chat.completions.create(
-        model=model, messages=ASK, tools=TOOLS, tool_choice="required", temperature=1.0, seed=4, max_tokens=400
-    )
-    choice = first.choices[0]
-    assert choice.finish_reason == "tool_calls"
-    assert choice.message.content is None
-    _check_calls(choice.message.tool_calls)
-    messages = [*ASK, choice.message.model_dump(exclude_none=True)]
-    messages += [{"role": "tool", "tool_call_id": c.id, "content": '{"temp": 21}'} for c in choice.message.tool_calls]
-    second = client.chat.completions.create(
-        model=model, messages=messages, tools=TOOLS, tool_choice="auto", max_tokens=8
-    )
-    assert second.choices[0].finish_reason in ("stop", "length", "tool_calls")
-    assert second.usage.prompt_tokens > first.usage.prompt_tokens  # the call and its result reached the template
+    kwargs = dict(model=model, tools=TOOLS, temperature=1.0, seed=4, max_tokens=400, parallel_tool_calls=False)
+    if stream:
+        calls, finish = _reassemble(
+            client.chat.completions.create(messages=ASK, tool_choice=tool_choice, stream=True, **kwargs)
+        )
+        tool_calls = [
+            {"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
+            for c in calls.values()
+        ]
+        assistant = {"role": "assistant", "content": None, "tool_calls": tool_calls}
+    else:
+        first = client.chat.completions.create(messages=ASK, tool_choice=tool_choice, **kwargs)
+        choice, finish = first.choices[0], first.choices[0].finish_reason
+        assert choice.message.content is None
+        _check_calls(choice.message.tool_calls)
+        assistant = choice.message.model_dump(exclude_none=True)
+        tool_calls = assistant["tool_calls"]
+    assert finish == ("tool_calls" if tool_choice == "required" else "stop")
+    assert len(tool_calls) == 1
+    if tool_choice != "required":
+        assert tool_calls[0]["function"]["name"] == "get_weather"
+    for call in tool_calls:
+        jsonschema.validate(json.loads(call["function"]["arguments"]), PARAMETERS[call["function"]["name"]])
+    result = [{"role": "tool", "tool_call_id": c["id"], "content": '{"temp": 21}'} for c in tool_calls]
+    messages = [*ASK, assistant, *result]
+    before = client.chat.completions.create(messages=ASK, tool_choice="auto", **{**kwargs, "max_tokens": 1})
+    after = client.chat.completions.create(messages=messages, tool_choice="auto", stream=False, **kwargs)
+    assert after.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    assert after.usage.prompt_tokens > before.usage.prompt_tokens  # the call and its result reached the template
 
 
 @pytest.mark.parametrize("parallel", [True, False])

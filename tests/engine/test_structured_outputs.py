@@ -134,6 +134,42 @@ def test_one_grammar_in_several_rows_is_filled_once_and_copied(compiler) -> None
     assert not torch.isneginf(logits).any()  # the input is left unmodified
 
 
+@pytest.mark.parametrize(
+    ("schema", "message"),
+    [
+        ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, r"\.json: uniqueItems"),
+        ({"type": "object", "properties": {"a": {"not": {"type": "string"}}}}, r"\.json\.properties\.a: .*'not'"),
+        ({"anyOf": [{"type": "integer", "if": {"minimum": 0}, "then": {"maximum": 5}}]}, r"anyOf\[0\]: .*'if'"),
+        ({"allOf": [{"type": "integer"}, {"minimum": 3}]}, "allOf with more than one"),
+        ({"type": "object", "dependentRequired": {"a": ["b"]}}, "dependentRequired"),
+    ],
+)
+def test_keywords_the_grammar_cannot_enforce_are_refused(compiler, schema, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        compiler.compile(StructuredOutputsParams(json=schema)).result(timeout=60)
+
+
+def test_a_property_named_like_a_keyword_is_just_a_property(compiler) -> None:
+    schema = {"type": "object", "properties": {"not": {"type": "integer"}, "if": {"type": "string"}}}
+    compiler.compile(StructuredOutputsParams(json=schema)).result(timeout=60)
+
+
+def test_schemas_mean_what_json_schema_says(llm) -> None:
+    # A list without "items" and an object without "additionalProperties" allow any items and more properties
+    # (xgrammar's strict mode would allow only [] and the listed properties).
+    from pagoda.structured_output.grammar import RequestGrammar as Grammar
+
+    compiler = llm.engine.structured_output_compiler()
+    spec = StructuredOutputsParams(json={"type": "object", "properties": {"tags": {"type": "array"}}})
+    future = compiler.compile(spec)
+    future.result(timeout=60)
+    grammar = Grammar(future)
+    assert grammar.poll()
+    tokenizer = llm.get_tokenizer()
+    assert all(grammar.accept(t) for t in tokenizer.encode('{"tags": [1, "a"], "extra": null}'))
+    assert grammar.accept(IM_END_ID) and grammar.is_terminated
+
+
 def test_compiled_grammars_are_cached_by_spec(compiler) -> None:
     first = compiler.compile(StructuredOutputsParams(json={"type": "object", "properties": {"x": {}}}))
     again = compiler.compile(StructuredOutputsParams(json='{"type":"object","properties":{"x":{}}}'))
@@ -174,15 +210,17 @@ def test_unconstrained_output_of_the_same_model_is_not_json(llm) -> None:
     assert valid == 0
 
 
-def test_regex_and_choice_are_enforced(llm) -> None:
+def test_100_sampled_completions_each_under_a_regex_and_a_choice(llm) -> None:
     regex = r"(yes|no) [0-9]{2}-[a-f]{3}"
-    params = SamplingParams(n=25, temperature=1.0, max_tokens=40, seed=3)
-    by_regex = llm.generate(["Answer:"] * 2, _with(params, regex=regex), use_tqdm=False)
-    assert all(re.fullmatch(regex, c.text) for o in by_regex for c in o.outputs)
+    params = SamplingParams(n=50, temperature=1.0, max_tokens=40, seed=3)
+    by_regex = llm.generate(["Answer:", "Reply:"], _with(params, regex=regex), use_tqdm=False)
+    texts = [c.text for o in by_regex for c in o.outputs]
+    assert len(texts) == 100 and all(re.fullmatch(regex, t) for t in texts)
+    assert len(set(texts)) > 50
     choices = ["red", "green", "blue", "dark red"]
     by_choice = llm.generate(["Colour:"] * 2, _with(params, choice=choices), use_tqdm=False)
     picked = [c.text for o in by_choice for c in o.outputs]
-    assert set(picked) <= set(choices) and len(set(picked)) > 1
+    assert len(picked) == 100 and set(picked) <= set(choices) and len(set(picked)) > 1
 
 
 def test_any_json_object(llm) -> None:

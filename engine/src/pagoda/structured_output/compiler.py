@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import threading
 from collections import OrderedDict
@@ -52,8 +53,10 @@ class StructuredOutputCompiler:
         info = xgr.TokenizerInfo.from_huggingface(
             tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(set(stop_token_ids))
         )
-        # xgrammar's own cache is off: ours caches futures, so concurrent requests for one spec compile once.
-        self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        # xgrammar's own cache is off: ours caches futures, so concurrent requests for one spec compile once. One
+        # compile may use half the cores (8 at most): the other half stays with the engine's step.
+        threads = max(1, min(8, (os.cpu_count() or 2) // 2))
+        self._compiler = xgr.GrammarCompiler(info, max_threads=threads, cache_enabled=False)
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
         self._cache: OrderedDict[tuple, Future] = OrderedDict()
         self._cache_size = cache_size
@@ -102,7 +105,7 @@ class StructuredOutputCompiler:
             if kind == "json":
                 return self._compile_json(params)
             if kind == "json_object":  # any object, under the same whitespace rule as a schema
-                return self._compile_schema('{"type": "object"}', strict=False)
+                return self._compile_schema('{"type": "object"}')
             if kind == "regex":
                 return self._compiler.compile_regex(params.regex)
             if kind == "choice":
@@ -115,14 +118,17 @@ class StructuredOutputCompiler:
 
     def _compile_json(self, params: StructuredOutputsParams) -> Any:
         check_json_schema(params.schema, "structured_outputs.json")
-        return self._compile_schema(params.json, strict=True)
+        check_enforceable(params.schema, "structured_outputs.json")
+        return self._compile_schema(params.json)
 
-    def _compile_schema(self, schema: str, strict: bool) -> Any:
+    def _compile_schema(self, schema: str) -> Any:
+        # strict_mode off: JSON Schema's own meaning. On, xgrammar reads a missing "items" or
+        # "additionalProperties" as "none allowed", so {"type": "array"} could only ever be [].
         grammar = self._xgr.Grammar.from_json_schema(
             schema,
             any_whitespace=self.max_whitespace > 0,
             max_whitespace_cnt=self.max_whitespace or None,
-            strict_mode=strict,
+            strict_mode=False,
         )
         return self._compiler.compile_grammar(valid_json_strings(str(grammar)))
 
@@ -156,6 +162,52 @@ def valid_json_strings(ebnf: str) -> str:
     for char_class in _STRING_CHAR_CLASSES:
         ebnf = ebnf.replace(char_class, _JSON_STRING_CHAR)
     return ebnf
+
+
+# Keywords xgrammar 0.2.9 accepts but does not enforce (measured: an instance that breaks them is generated):
+# refused, since an output that looks constrained but is not is worse than a clear 400. oneOf is enforced as
+# anyOf (its branches are usually disjoint, e.g. pydantic's discriminated unions); allOf only with one entry.
+UNENFORCED_KEYWORDS = (
+    "not",
+    "if",
+    "then",
+    "else",
+    "contains",
+    "minContains",
+    "maxContains",
+    "dependentRequired",
+    "dependentSchemas",
+    "dependencies",
+    "unevaluatedProperties",
+    "unevaluatedItems",
+)
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SCHEMA_VALUES = ("items", "additionalProperties")
+
+
+def check_enforceable(schema: Any, where: str) -> None:
+    """ValueError naming the keyword and where it is, for a schema that uses what the grammar cannot enforce."""
+    stack: list[tuple[Any, str]] = [(schema, where)]
+    while stack:
+        node, path = stack.pop()
+        if not isinstance(node, dict):
+            continue
+        for keyword in UNENFORCED_KEYWORDS:
+            if keyword in node:
+                raise ValueError(f"{path}: the keyword {keyword!r} is not supported (outputs could not be held to it)")
+        if node.get("uniqueItems") is True:
+            raise ValueError(f"{path}: uniqueItems is not supported (outputs could not be held to it)")
+        if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
+            raise ValueError(f"{path}: allOf with more than one schema is not supported; merge them into one")
+        for key in _SCHEMA_MAPS:
+            if isinstance(node.get(key), dict):
+                stack.extend((value, f"{path}.{key}.{name}") for name, value in node[key].items())
+        for key in _SCHEMA_LISTS:
+            if isinstance(node.get(key), list):
+                stack.extend((value, f"{path}.{key}[{i}]") for i, value in enumerate(node[key]))
+        for key in _SCHEMA_VALUES:
+            stack.append((node.get(key), f"{path}.{key}"))
 
 
 def choice_grammar(choices: Iterable[str]) -> str:

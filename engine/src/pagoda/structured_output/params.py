@@ -13,8 +13,8 @@ KINDS = ("json", "json_object", "regex", "choice", "grammar")
 @dataclass(frozen=True, slots=True)
 class StructuredOutputsParams:
     """Exactly one constraint. ``json`` takes a schema as a dict or JSON text and keeps it as compact JSON
-    text, so equal schemas share one compiled grammar. Objects get no properties beyond those their schema
-    lists unless it allows more (``additionalProperties``), as OpenAI's strict mode and vLLM do.
+    text, so equal schemas share one compiled grammar. A schema means what JSON Schema says (an object without
+    ``additionalProperties: false`` may hold more properties); keywords the grammar cannot enforce are refused.
     """
 
     json: Union[None, str, dict[str, Any]] = None
