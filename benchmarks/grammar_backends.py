@@ -1,12 +1,12 @@
 """xgrammar against llguidance on this machine: the numbers behind the structured-output backend choice.
 
-For one tokenizer (the Qwen3-shaped 151,936-token byte-level BPE of ``structured_outputs.py``, or stories260K's
-512-token SentencePiece): tokenizer set-up, compiling a nested schema, the time to fill 32 rows of a token
+For the Qwen3-shaped 151,936-token byte-level BPE of ``structured_outputs.py``: tokenizer set-up, compiling a nested schema, the time to fill 32 rows of a token
 bitmask in the middle of a JSON object (the per-step cost), and which JSON Schema features each one compiles
-(a refusal is a clear error; a feature it silently ignores cannot be seen here). llguidance is not a dependency:
-``pip install llguidance`` first.
+(a refusal is a clear error). xgrammar is driven as the engine drives it (JSON Schema semantics, and Pagoda's
+refusal of the keywords xgrammar accepts without enforcing). llguidance is not a dependency: ``pip install
+llguidance`` first.
 
-    python benchmarks/grammar_backends.py --tokenizer qwen3
+    python benchmarks/grammar_backends.py
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from typing import Any, Optional
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import format_table, log  # noqa: E402
+from pagoda.structured_output.compiler import check_enforceable, valid_json_strings  # noqa: E402
 from structured_outputs import REPO_ROOT, ensure_qwen3_bpe_checkpoint, nested_schema  # noqa: E402
 
 FEATURES: dict[str, dict[str, Any]] = {
@@ -68,8 +69,13 @@ def xgrammar_rows(tokenizer: Any, vocab: int, eos: list[int], prefix_ids: list[i
 
     setup, info = timed(lambda: xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab, stop_token_ids=eos), 1)
     compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
-    schema = json.dumps(nested_schema("bench"))
-    compile_s, grammar = timed(lambda: compiler.compile_json_schema(schema, any_whitespace=False))
+
+    def compile_like_the_engine(schema: dict[str, Any]) -> Any:  # see structured_output/compiler.py
+        check_enforceable(schema, "schema")
+        grammar = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False, strict_mode=False)
+        return compiler.compile_grammar(valid_json_strings(str(grammar)))
+
+    compile_s, grammar = timed(lambda: compile_like_the_engine(nested_schema("bench")))
     matchers = [xgr.GrammarMatcher(grammar) for _ in range(32)]
     for matcher in matchers:
         assert all(matcher.accept_token(t) for t in prefix_ids), "the prefix must be valid under the schema"
@@ -79,7 +85,7 @@ def xgrammar_rows(tokenizer: Any, vocab: int, eos: list[int], prefix_ids: list[i
     coverage = {}
     for name, feature in FEATURES.items():
         try:
-            compiler.compile_json_schema(json.dumps(feature), any_whitespace=False)
+            compile_like_the_engine(feature)
             coverage[name] = "yes"
         except Exception as exc:  # noqa: BLE001 - any refusal counts
             coverage[name] = f"no ({str(exc).splitlines()[0][-60:]})"
@@ -120,17 +126,13 @@ def llguidance_rows(tokenizer: Any, vocab: int, prefix_ids: list[int]) -> Option
 
 def main(argv: Optional[list[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tokenizer", default="qwen3", choices=["qwen3", "stories"])
-    args = parser.parse_args(argv)
+    parser.parse_args(argv)
     from transformers import AutoTokenizer
 
-    if args.tokenizer == "qwen3":
-        path, vocab, eos = ensure_qwen3_bpe_checkpoint(REPO_ROOT / ".bench"), 151936, [2]
-    else:
-        path, vocab, eos = REPO_ROOT / "engine/src/pagoda/assets/models/stories260K", 512, [2]
+    path, vocab, eos = ensure_qwen3_bpe_checkpoint(REPO_ROOT / ".bench"), 151936, [2]
     tokenizer = AutoTokenizer.from_pretrained(path)
     prefix_ids = tokenizer.encode(JSON_PREFIX, add_special_tokens=False)
-    log(f"tokenizer {args.tokenizer}: {len(tokenizer)} tokens; prefix of {len(prefix_ids)} tokens")
+    log(f"tokenizer: {len(tokenizer)} tokens; JSON prefix of {len(prefix_ids)} tokens")
     results = {"xgrammar": xgrammar_rows(tokenizer, vocab, eos, prefix_ids)}
     llg = llguidance_rows(tokenizer, vocab, prefix_ids)
     if llg is not None:
