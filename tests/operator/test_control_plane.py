@@ -211,3 +211,22 @@ def test_a_model_that_cannot_be_had_shows_its_reason_in_the_status(cluster, oper
     found = wait_for("the Unauthorized reason in the status", degraded, 60)
     assert found["status"] == "True" and "container model-download" in found["message"]
     assert "the Hub refused access (HTTP 401)" in found["message"]
+
+
+def test_the_model_column_shows_the_served_name_even_when_it_is_defaulted(cluster, operator, tmp_path) -> None:
+    manifest = tmp_path / "md.yaml"
+    body = yaml.safe_load((EXAMPLES / "hub-model-cpu.yaml").read_text())
+    body["metadata"]["name"] = "defaulted-name"
+    body["spec"]["model"].pop("servedModelName", None)
+    manifest.write_text(yaml.safe_dump(body))
+    assert apply(cluster, manifest)[0].returncode == 0
+
+    def served():
+        status = (cluster.get("modeldeployment", "defaulted-name", NAMESPACE) or {}).get("status") or {}
+        return status.get("servedModelName")
+
+    # Without servedModelName, clients send the resource's name.
+    assert wait_for("the served model name in the status", served, 60) == "defaulted-name"
+    table = cluster.kubectl("get", "modeldeployment", "defaulted-name", "-n", NAMESPACE).stdout.splitlines()
+    row = dict(zip(table[0].split(), table[1].split()))
+    assert row["MODEL"] == "defaulted-name"

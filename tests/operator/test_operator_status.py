@@ -35,6 +35,41 @@ def summary(conditions: list[Any]) -> dict[str, tuple[bool, str]]:
     return {c.type: (c.status, c.reason) for c in conditions}
 
 
+def stuck(observed: dict[str, Any]) -> dict[str, Any]:
+    condition = {
+        "type": "Progressing",
+        "status": "False",
+        "reason": "ProgressDeadlineExceeded",
+        "message": 'ReplicaSet "m-5d" has timed out progressing.',
+    }
+    return {**observed, "status": {**observed["status"], "conditions": [condition]}}
+
+
+def unplaced(message: str) -> dict[str, Any]:
+    scheduled = {"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": message}
+    return {"metadata": {"name": "p-2"}, "status": {"phase": "Pending", "conditions": [scheduled]}}
+
+
+def test_a_stuck_rollout_is_degraded_not_progressing() -> None:
+    conditions = {c.type: c for c in compute_conditions(None, stuck(deployment(1, 0)), [])}
+    assert (conditions["Degraded"].status, conditions["Degraded"].reason) == (True, "ProgressDeadlineExceeded")
+    assert "timed out progressing" in conditions["Degraded"].message
+    assert (conditions["Progressing"].status, conditions["Progressing"].reason) == (False, "ProgressDeadlineExceeded")
+    assert conditions["Ready"].reason == "ProgressDeadlineExceeded"
+
+
+def test_an_unschedulable_pod_says_what_the_scheduler_said() -> None:
+    why = "0/3 nodes are available: 3 Insufficient nvidia.com/gpu."
+    conditions = {c.type: c for c in compute_conditions(None, deployment(1, 0), [unplaced(why)])}
+    assert (conditions["Degraded"].status, conditions["Degraded"].reason) == (True, "Unschedulable")
+    assert conditions["Degraded"].message == f"pod p-2 cannot be scheduled: {why}"
+    assert conditions["Progressing"].status  # the scheduler may still place it: not given up
+    # The pod's own failure is more specific than the Deployment's deadline.
+    crashed = pod({"waiting": {"reason": "ImagePullBackOff", "message": "not found"}})
+    both = {c.type: c for c in compute_conditions(None, stuck(deployment(1, 0)), [crashed])}
+    assert both["Degraded"].reason == "ImagePullBackOff"
+
+
 @pytest.mark.parametrize(
     ("error", "observed", "pods", "expected"),
     [

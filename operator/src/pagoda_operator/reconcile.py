@@ -107,6 +107,7 @@ async def observe(
     error: Optional[InvalidSpec],
     endpoint: Optional[str],
     now: datetime.datetime,
+    served_model_name: Optional[str] = None,
 ) -> dict[str, Any]:
     """The status for what the Deployment and its pods show right now (reads only)."""
     owner = Owner.from_body(body)
@@ -121,6 +122,7 @@ async def observe(
         selector=selector_string(owner),
         endpoint=endpoint,
         now=now,
+        served_model_name=served_model_name,
     )
 
 
@@ -137,6 +139,7 @@ async def reconcile(
     owner = Owner.from_body(body)
     error: Optional[InvalidSpec] = None
     endpoint: Optional[str] = None
+    served: Optional[str] = None
     try:
         spec = validated_spec(body)
     except InvalidSpec as exc:
@@ -146,8 +149,8 @@ async def reconcile(
         if reported is not None:
             reported.pop("invalid", None)  # a later, identical mistake is news again
         await apply_children(kube, body, spec, owner)
-        endpoint = endpoint_url(spec, owner)
-    return await observe(kube, body, error, endpoint, now or datetime.datetime.now(datetime.UTC))
+        endpoint, served = endpoint_url(spec, owner), spec.served_model_name
+    return await observe(kube, body, error, endpoint, now or datetime.datetime.now(datetime.UTC), served)
 
 
 async def refresh_owner_status(kube: KubeClient, namespace: str, name: str) -> None:
@@ -158,9 +161,11 @@ async def refresh_owner_status(kube: KubeClient, namespace: str, name: str) -> N
         return
     error: Optional[InvalidSpec] = None
     endpoint: Optional[str] = None
+    served: Optional[str] = None
     try:
-        endpoint = endpoint_url(validated_spec(body), Owner.from_body(body))
+        spec = validated_spec(body)
+        endpoint, served = endpoint_url(spec, Owner.from_body(body)), spec.served_model_name
     except InvalidSpec as exc:
         error = exc
-    status = await observe(kube, body, error, endpoint, datetime.datetime.now(datetime.UTC))
+    status = await observe(kube, body, error, endpoint, datetime.datetime.now(datetime.UTC), served)
     await kube.merge_patch(f"{path}/status", {"status": status})

@@ -3,7 +3,8 @@
 Conditions: ``Ready`` (every wanted replica serves), ``Progressing`` (a rollout or scale-up is under way) and
 ``Degraded`` (something needs a human: InvalidSpec; the start-up reason an engine or model download reported in its
 termination message, such as ModelNotFound, Unauthorized or OutOfMemory; ModelLoadFailed for any other crash loop;
-ImagePullBackOff).
+ImagePullBackOff; Unschedulable, with the scheduler's message; ProgressDeadlineExceeded when the Deployment
+controller gave up waiting for the rollout).
 ``lastTransitionTime`` only changes when a condition's status changes.
 """
 
@@ -39,6 +40,27 @@ class Condition:
     status: bool
     reason: str
     message: str
+
+
+def unschedulable(pods: Sequence[Mapping[str, Any]]) -> Optional[Condition]:
+    """Degraded (Unschedulable) for a pod the scheduler could not place, with the scheduler's own message
+    (e.g. "0/3 nodes are available: 3 Insufficient nvidia.com/gpu")."""
+    for pod in pods:
+        for cond in (pod.get("status") or {}).get("conditions") or []:
+            if cond.get("type") == "PodScheduled" and cond.get("status") == "False":
+                name = (pod.get("metadata") or {}).get("name", "?")
+                why = cond.get("message") or cond.get("reason") or "no node fits it"
+                return Condition("Degraded", True, "Unschedulable", f"pod {name} cannot be scheduled: {why}")
+    return None
+
+
+def stuck_rollout(deployment: Mapping[str, Any]) -> Optional[Condition]:
+    """Degraded (ProgressDeadlineExceeded) once the Deployment controller stopped waiting for the rollout."""
+    for cond in (deployment.get("status") or {}).get("conditions") or []:
+        if cond.get("type") == "Progressing" and cond.get("reason") == "ProgressDeadlineExceeded":
+            message = cond.get("message") or "the rollout did not finish within its progress deadline"
+            return Condition("Degraded", True, "ProgressDeadlineExceeded", message)
+    return None
 
 
 def pod_failure(pods: Sequence[Mapping[str, Any]]) -> Optional[Condition]:
@@ -113,7 +135,9 @@ def compute_conditions(
     total = int(observed.get("replicas") or 0)
     generation_seen = observed.get("observedGeneration", 0) >= (deployment.get("metadata") or {}).get("generation", 0)
     rolled_out = generation_seen and updated >= wanted and total <= wanted
-    failure = pod_failure(pods)
+    # The most specific cause first: a container's own failure, then a pod nobody can place, then the
+    # Deployment's deadline (which any of the others may also have caused).
+    failure = pod_failure(pods) or unschedulable(pods) or stuck_rollout(deployment)
     degraded = failure or Condition("Degraded", False, "AsExpected", "")
     if wanted == 0:
         ready_condition = Condition("Ready", False, "ScaledToZero", "no replicas are wanted")
@@ -124,6 +148,8 @@ def compute_conditions(
         ready_condition = Condition("Ready", False, reason, f"{ready}/{wanted} replicas are ready")
     if rolled_out and ready >= wanted:
         progressing = Condition("Progressing", False, "RolloutComplete", "")
+    elif failure is not None and failure.reason == "ProgressDeadlineExceeded":
+        progressing = Condition("Progressing", False, "ProgressDeadlineExceeded", failure.message)
     else:
         progressing = Condition(
             "Progressing", True, "RollingOut", f"{updated}/{wanted} replicas updated, {ready} ready"
@@ -167,8 +193,10 @@ def compute_status(
     selector: str,
     endpoint: Optional[str],
     now: datetime.datetime,
+    served_model_name: Optional[str] = None,
 ) -> dict[str, Any]:
-    """The full ``.status`` to patch onto the ModelDeployment."""
+    """The full ``.status`` to patch onto the ModelDeployment (``servedModelName``: the name clients send, also
+    when the spec leaves it to default; null while the spec is invalid)."""
     observed = (deployment or {}).get("status") or {}
     conditions = compute_conditions(error, deployment, pods)
     status: dict[str, Any] = {
@@ -176,6 +204,7 @@ def compute_status(
         "readyReplicas": int(observed.get("readyReplicas") or 0),
         "selector": selector,
         "endpoint": endpoint,
+        "servedModelName": served_model_name,
         "conditions": render_conditions(conditions, previous.get("conditions") or [], generation, now),
     }
     if generation is not None:

@@ -1,23 +1,17 @@
-"""Read the three autoscaling gauges from an engine's Prometheus ``/metrics`` (a tiny text-format parser).
-
-prometheus_client is not an operator dependency; only plain ``name{labels} value`` sample lines are needed.
-"""
+"""Read the three autoscaling gauges from an engine's Prometheus ``/metrics`` with prometheus_client's parser."""
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Optional
 
 import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
 
 WAITING = "vllm:num_requests_waiting"
 RUNNING = "vllm:num_requests_running"
 KV_CACHE = "vllm:kv_cache_usage_perc"
 SCRAPE_TIMEOUT_SECONDS = 2.0
-
-_SAMPLE = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>.*)\})?\s+(?P<value>\S+)(?:\s+\S+)?$")
-_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
 
 
 @dataclass(slots=True, frozen=True)
@@ -30,24 +24,23 @@ class EngineMetrics:
 
 
 def parse_metrics(text: str, model_name: Optional[str]) -> Optional[EngineMetrics]:
-    """The gauges for ``model_name`` (series without that label count too); None when waiting is absent."""
+    """The gauges for ``model_name`` (series without that label count too); None when waiting is absent or the
+    exposition does not parse."""
     values: dict[str, float] = {}
-    for line in text.splitlines():
-        match = _SAMPLE.match(line.strip())
-        if match is None or match["name"] not in (WAITING, RUNNING, KV_CACHE):
+    try:
+        samples = [s for family in text_string_to_metric_families(text) for s in family.samples]
+    except ValueError:  # not Prometheus text: unknown, like a failed scrape
+        return None
+    for sample in samples:
+        if sample.name not in (WAITING, RUNNING, KV_CACHE):
             continue
-        labels = dict(_LABEL.findall(match["labels"] or ""))
-        if model_name is not None and labels.get("model_name", model_name) != model_name:
-            continue
-        try:
-            value = float(match["value"])
-        except ValueError:
+        if model_name is not None and sample.labels.get("model_name", model_name) != model_name:
             continue
         # Several series of one gauge (per engine) add up for counts; usage takes the fullest.
-        if match["name"] == KV_CACHE:
-            values[KV_CACHE] = max(values.get(KV_CACHE, 0.0), value)
+        if sample.name == KV_CACHE:
+            values[KV_CACHE] = max(values.get(KV_CACHE, 0.0), sample.value)
         else:
-            values[match["name"]] = values.get(match["name"], 0.0) + value
+            values[sample.name] = values.get(sample.name, 0.0) + sample.value
     if WAITING not in values:
         return None
     return EngineMetrics(values[WAITING], values.get(RUNNING), values.get(KV_CACHE))
