@@ -25,6 +25,9 @@ from typing import Any
 import kmock
 import pytest
 
+from pagoda_operator.builders import Owner, build_deployment
+from pagoda_operator.spec import parse_spec
+
 # The autoscaler's interval is read when pagoda_operator.main is imported (by the cluster fixture), so set it first.
 os.environ.setdefault("PAGODA_AUTOSCALE_INTERVAL", "0.5")
 
@@ -168,7 +171,12 @@ async def test_replicas_follow_real_queue_depth_and_a_dead_engine_never_scales_d
         "scaleUpStabilizationSeconds": 0,
         "scaleDownStabilizationSeconds": 3,
     }
-    await create(cluster, model_deployment("llm", model={"servedModelName": MODEL}, autoscaling=scaling))
+    body = model_deployment("llm", model={"servedModelName": MODEL}, autoscaling=scaling)
+    # kmock has no server-side apply to create children with: the Deployment is there already, as the operator made
+    # it (at minReplicas); the operator's applies and the autoscaler's then change it in place.
+    created = build_deployment(parse_spec(body), Owner.from_body(body))
+    assert (await cluster.post(DEPLOYMENTS, json=created)).status < 300
+    await create(cluster, body)
     deployment = await eventually(lambda: get(cluster, f"{DEPLOYMENTS}/llm"))
     assert deployment["spec"]["replicas"] == 2
     labels = deployment["spec"]["template"]["metadata"]["labels"]

@@ -1,9 +1,9 @@
 """A small asynchronous Kubernetes API client on aiohttp, with the credentials kopf logs in with.
 
-Only what the reconciler needs: get, list, create, server-side apply, merge patch and delete of plain dicts.
-Children are applied with server-side apply (field manager ``pagoda-operator``, forced), so hand edits of fields
-the operator owns are undone and fields it stops setting are removed, while fields other managers own (such as an
-autoscaler's replicas) are left alone.
+Only what the reconciler needs: get, list, server-side apply (also as a dry run), merge patch and delete of plain
+dicts. Children are created and changed only by server-side apply (field manager ``pagoda-operator``, forced), so
+the operator owns exactly the fields it sets: hand edits of them are undone and fields it stops setting are
+removed, while fields other managers own (an autoscaler's replicas, ``kubectl set env``) are left alone.
 """
 
 from __future__ import annotations
@@ -110,15 +110,14 @@ class KubeClient:
         items = payload.get("items") or []
         return [i for i in items if label_selector.items() <= ((i.get("metadata") or {}).get("labels") or {}).items()]
 
-    async def create(self, path: str, obj: Mapping[str, Any]) -> dict[str, Any]:
-        """POST ``obj`` to the collection at ``path``."""
-        status, payload = await self._request("POST", path, body=obj, params={"fieldManager": FIELD_MANAGER})
-        self._check(status, payload)
-        return payload
-
-    async def apply(self, obj: Mapping[str, Any]) -> dict[str, Any]:
-        """Server-side apply of ``obj`` (forced: the operator wins conflicts on the fields it sets)."""
-        params = {"fieldManager": FIELD_MANAGER, "force": "true"}
+    async def apply(
+        self, obj: Mapping[str, Any], *, manager: str = FIELD_MANAGER, dry_run: bool = False
+    ) -> dict[str, Any]:
+        """Server-side apply of ``obj`` as ``manager``, creating it if missing (forced: the manager wins conflicts
+        on the fields it sets). ``dry_run``: what the object would become, with nothing written."""
+        params = {"fieldManager": manager, "force": "true"}
+        if dry_run:
+            params["dryRun"] = "All"
         status, payload = await self._request(
             "PATCH", path_of(obj), body=obj, params=params, content_type="application/apply-patch+yaml"
         )

@@ -7,6 +7,7 @@ a hand-edited or deleted child stays wrong; ``PAGODA_ENGINE_IMAGE`` (the default
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from typing import Any
@@ -42,9 +43,17 @@ async def cleanup(memo: kopf.Memo, **_: Any) -> None:
     await memo.scrape_session.close()
 
 
+def _lock(memo: kopf.Memo) -> asyncio.Lock:
+    """One lock per resource (kopf hands every handler of a resource the same memo): the change handlers, the
+    reconcile timer and the autoscaler never interleave their reads and writes of one resource's children, so two
+    of them never both create the Deployment or announce it twice."""
+    return memo.setdefault("lock", asyncio.Lock())
+
+
 async def _reconcile_into(memo: kopf.Memo, body: kopf.Body, patch: kopf.Patch) -> None:
     try:
-        status = await reconcile(memo.kube, body, memo.setdefault("reported", {}))
+        async with _lock(memo):
+            status = await reconcile(memo.kube, body, memo.setdefault("reported", {}))
     except (KubeError, aiohttp.ClientError) as error:
         raise kopf.TemporaryError(f"Kubernetes API call failed: {error}", delay=10) from error
     patch.status.update(status)
@@ -98,7 +107,8 @@ async def autoscale(memo: kopf.Memo, body: kopf.Body, patch: kopf.Patch, logger:
     if not builtin_enabled(body):  # the spec may have changed since kopf checked the filter
         return
     try:
-        status = await autoscale_once(memo.kube, memo.scrape_session, body, time.time())
+        async with _lock(memo):
+            status = await autoscale_once(memo.kube, memo.scrape_session, body, time.time())
     except (KubeError, aiohttp.ClientError) as error:
         logger.warning(f"autoscaler tick failed, the next one retries: {error}")
         return

@@ -1,15 +1,16 @@
 """Thin glue between kopf and the pure parts: parse the spec, apply the children, observe them, compute status.
 
 Children are looked up by name (they share the ModelDeployment's name), never by listing, so a reconcile costs a few
-GETs. A child is written only when it is missing (create), when its applied-config hash differs from the desired
-one (the spec changed), or when a field the operator sets was edited by hand; every write is logged as an Event.
+GETs. Every write is a server-side apply with the operator's field manager, creation included, so the operator
+owns exactly the fields it sets: a field removed from the spec is removed from the child, a hand edit of a field it
+sets is reverted, and fields set by others are left alone. Before writing, a dry-run apply shows what the child
+would become; when that equals the live object nothing is written and no Event is posted, so a quiet reconcile
+makes no writes at all.
 """
 
 from __future__ import annotations
 
 import datetime
-import hashlib
-import json
 from collections.abc import Mapping
 from typing import Any, Optional
 
@@ -18,55 +19,91 @@ import kopf
 from pagoda_operator.builders import Owner, build_deployment, build_hpa, build_service, selector_labels, selector_string
 from pagoda_operator.builders.service import endpoint_url
 from pagoda_operator.capabilities import check_capabilities
-from pagoda_operator.constants import API_VERSION, PLURAL
+from pagoda_operator.constants import API_VERSION, AUTOSCALER_FIELD_MANAGER, FIELD_MANAGER, PLURAL
 from pagoda_operator.kube import KubeClient, object_path, path_of
 from pagoda_operator.spec import InvalidSpec, ModelDeploymentSpec, parse_spec
 from pagoda_operator.status import compute_status
 
-HASH_ANNOTATION = "pagoda.dev/applied-hash"
+# What every write changes by itself (or what no apply sets): not a difference worth writing for.
+_VOLATILE_METADATA = frozenset({"managedFields", "resourceVersion", "generation"})
 
 
-def _hashed(obj: dict[str, Any]) -> dict[str, Any]:
-    digest = hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
-    obj["metadata"].setdefault("annotations", {})[HASH_ANNOTATION] = digest
-    return obj
+def comparable(obj: Mapping[str, Any]) -> dict[str, Any]:
+    """``obj`` without its status and the metadata the API server bumps on every write."""
+    out = {k: v for k, v in obj.items() if k != "status"}
+    out["metadata"] = {k: v for k, v in (obj.get("metadata") or {}).items() if k not in _VOLATILE_METADATA}
+    return out
 
 
-def contains(live: Any, desired: Any) -> bool:
-    """Whether every field of ``desired`` has the same value in ``live`` (the API server adds defaults)."""
-    if isinstance(desired, Mapping):
-        return isinstance(live, Mapping) and all(contains(live.get(k), v) for k, v in desired.items())
-    if isinstance(desired, list):
-        return isinstance(live, list) and len(live) == len(desired) and all(map(contains, live, desired))
-    # Quantities come back as strings ("2" for 2); booleans and strings must match exactly.
-    return live == desired or (
-        isinstance(desired, int | float) and not isinstance(desired, bool) and str(live) == str(desired)
-    )
+def owns_replicas(deployment: Mapping[str, Any], manager: str) -> bool:
+    """Whether ``manager`` is among the owners of ``spec.replicas`` (per the object's managed fields)."""
+    for entry in (deployment.get("metadata") or {}).get("managedFields") or []:
+        fields = entry.get("fieldsV1") or {}
+        if entry.get("manager") == manager and "f:replicas" in (fields.get("f:spec") or {}):
+            return True
+    return False
 
 
-async def _ensure(kube: KubeClient, body: Mapping[str, Any], desired: dict[str, Any], creation: dict[str, Any]) -> None:
+async def _ensure(kube: KubeClient, body: Mapping[str, Any], desired: dict[str, Any], force: bool = False) -> None:
+    """Apply ``desired`` if that changes the child (or ``force``); an Event for every write."""
     kind, name = desired["kind"], desired["metadata"]["name"]
     live = await kube.get(path_of(desired))
+    if live is not None and not force:
+        would_be = await kube.apply(desired, dry_run=True)
+        if _version(would_be) != _version(live):  # a controller wrote in between: compare with what it wrote
+            live = await kube.get(path_of(desired)) or live
+        if comparable(live) == comparable(would_be):
+            return
+    await kube.apply(desired)
     if live is None:
-        await kube.create(path_of(desired).rsplit("/", 1)[0], _hashed(creation))
         kopf.info(dict(body), reason="Created", message=f"created {kind} {name}")
-    elif not contains(live, _hashed(desired)):
-        await kube.apply(desired)
+    else:
         kopf.info(dict(body), reason="Updated", message=f"applied {kind} {name}")
+
+
+def _version(obj: Mapping[str, Any]) -> Optional[str]:
+    return (obj.get("metadata") or {}).get("resourceVersion")
+
+
+async def _hand_replicas_to_autoscaler(kube: KubeClient, owner: Owner, replicas: int) -> None:
+    """Make the autoscaler's field manager an owner of the Deployment's replicas, at their current value."""
+    patch = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": owner.name, "namespace": owner.namespace},
+        "spec": {"replicas": replicas},
+    }
+    await kube.apply(patch, manager=AUTOSCALER_FIELD_MANAGER)
+
+
+async def _apply_deployment(kube: KubeClient, body: Mapping[str, Any], spec: ModelDeploymentSpec, owner: Owner) -> None:
+    """The Deployment, with ``spec.replicas`` when autoscaling is off. Turning autoscaling on keeps the live count:
+    the autoscaler's manager takes the field over before the operator's apply leaves it out (an apply that omits
+    a field it alone owned would remove it, and the Deployment would drop to 1 replica)."""
+    if not spec.autoscaling.enabled:
+        await _ensure(kube, body, build_deployment(spec, owner, include_replicas=True))
+        return
+    live = await kube.get(object_path("apps/v1", "deployments", owner.namespace, owner.name))
+    if live is None:  # created at minReplicas
+        await _ensure(kube, body, build_deployment(spec, owner, include_replicas=True))
+        await _hand_replicas_to_autoscaler(kube, owner, spec.autoscaling.min_replicas)
+        await kube.apply(build_deployment(spec, owner, include_replicas=False))  # the operator lets go of replicas
+    elif owns_replicas(live, FIELD_MANAGER):  # autoscaling was just switched on
+        await _hand_replicas_to_autoscaler(kube, owner, int((live.get("spec") or {}).get("replicas", 1)))
+        await _ensure(kube, body, build_deployment(spec, owner, include_replicas=False), force=True)
+    else:
+        await _ensure(kube, body, build_deployment(spec, owner, include_replicas=False))
 
 
 async def apply_children(kube: KubeClient, body: Mapping[str, Any], spec: ModelDeploymentSpec, owner: Owner) -> None:
     """Create or re-apply the Deployment, Service and HPA; delete an HPA that is no longer wanted."""
-    autoscaled = spec.autoscaling.enabled
-    deployment = build_deployment(spec, owner, include_replicas=not autoscaled)
-    await _ensure(kube, body, deployment, build_deployment(spec, owner, include_replicas=True))
-    service = build_service(spec, owner)
-    await _ensure(kube, body, service, build_service(spec, owner))
+    await _apply_deployment(kube, body, spec, owner)
+    await _ensure(kube, body, build_service(spec, owner))
     hpa = build_hpa(spec, owner)
     hpa_path = object_path("autoscaling/v2", "horizontalpodautoscalers", owner.namespace, owner.name)
     if hpa is not None:
-        await _ensure(kube, body, hpa, build_hpa(spec, owner) or {})
-    elif await kube.delete(hpa_path):
+        await _ensure(kube, body, hpa)
+    elif await kube.get(hpa_path) is not None and await kube.delete(hpa_path):
         kopf.info(dict(body), reason="Deleted", message=f"deleted HorizontalPodAutoscaler {owner.name}")
 
 

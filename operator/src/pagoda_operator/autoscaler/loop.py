@@ -19,7 +19,7 @@ import kopf
 from pagoda_operator.autoscaler.algorithm import Decision, PodSample, decide, from_status, to_status
 from pagoda_operator.autoscaler.scrape import scrape
 from pagoda_operator.builders import Owner, selector_labels
-from pagoda_operator.constants import ENGINE_PORT
+from pagoda_operator.constants import AUTOSCALER_FIELD_MANAGER, ENGINE_PORT
 from pagoda_operator.kube import KubeClient, object_path
 from pagoda_operator.spec import InvalidSpec, ModelDeploymentSpec, parse_spec
 
@@ -123,7 +123,15 @@ async def autoscale_once(
     state = from_status((body.get("status") or {}).get("autoscaler"))
     decision = decide(samples, state, spec.autoscaling, current, now)
     if decision.desired != current:
-        await kube.merge_patch(deployment_path, {"spec": {"replicas": decision.desired}})
+        await kube.apply(
+            {
+                "apiVersion": "apps/v1",
+                "kind": "Deployment",
+                "metadata": {"name": owner.name, "namespace": owner.namespace},
+                "spec": {"replicas": decision.desired},
+            },
+            manager=AUTOSCALER_FIELD_MANAGER,
+        )
         message = describe(decision, current)
         kopf.info(dict(body), reason="ScaledUp" if decision.desired > current else "ScaledDown", message=message)
         logger.info(f"ModelDeployment {owner.namespace}/{owner.name}: {message}")

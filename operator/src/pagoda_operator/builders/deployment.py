@@ -5,10 +5,11 @@ the engine starts, so the engine's startup probe never counts download time and 
 (``PAGODA_OFFLINE=1``: only the cached files). Both containers report a failure as a one-line termination message
 (``REASON: cause``), which the status turns into a ``Degraded`` reason.
 
-Replicas rule (GitOps friendly): with autoscaling off, ``spec.replicas`` is written to the Deployment on every
-reconcile. With autoscaling on, the autoscaler owns ``Deployment.spec.replicas``: the builder writes replicas only
-when the Deployment is created (``include_replicas=True``, set to ``minReplicas``) and omits the field afterwards, so
-a reconcile never undoes a scaling decision.
+Replicas rule (GitOps friendly): with autoscaling off, ``spec.replicas`` is part of every apply. With autoscaling
+on, the autoscaler owns ``Deployment.spec.replicas``: the builder writes replicas only when the Deployment is created
+(``include_replicas=True``, set to ``minReplicas``) and omits the field afterwards; the reconciler hands the field to
+the autoscaler's field manager first (see ``reconcile._apply_deployment``), so a reconcile never undoes a scaling
+decision and switching autoscaling on keeps the live replica count.
 """
 
 from __future__ import annotations
