@@ -25,7 +25,7 @@ from typing import Any
 import kmock
 import pytest
 
-from pagoda_operator.builders import Owner, build_deployment
+from pagoda_operator.builders import Owner, build_deployment, build_service
 from pagoda_operator.spec import parse_spec
 
 # The autoscaler's interval is read when pagoda_operator.main is imported (by the cluster fixture), so set it first.
@@ -36,6 +36,7 @@ from test_operator_kmock import (  # noqa: E402  (after the environment it depen
     MD_PATH,
     NS,
     PODS,
+    SERVICES,
     _events,
     cluster,  # noqa: F401  (the fixture)
     create,
@@ -172,10 +173,11 @@ async def test_replicas_follow_real_queue_depth_and_a_dead_engine_never_scales_d
         "scaleDownStabilizationSeconds": 3,
     }
     body = model_deployment("llm", model={"servedModelName": MODEL}, autoscaling=scaling)
-    # kmock has no server-side apply to create children with: the Deployment is there already, as the operator made
-    # it (at minReplicas); the operator's applies and the autoscaler's then change it in place.
-    created = build_deployment(parse_spec(body), Owner.from_body(body))
-    assert (await cluster.post(DEPLOYMENTS, json=created)).status < 300
+    # kmock has no server-side apply to create children with: the Deployment (at minReplicas) and the Service are
+    # there already, as the operator made them; the operator's applies and the autoscaler's then change them in place.
+    spec, owner = parse_spec(body), Owner.from_body(body)
+    assert (await cluster.post(DEPLOYMENTS, json=build_deployment(spec, owner))).status < 300
+    assert (await cluster.post(SERVICES, json=build_service(spec, owner))).status < 300
     await create(cluster, body)
     deployment = await eventually(lambda: get(cluster, f"{DEPLOYMENTS}/llm"))
     assert deployment["spec"]["replicas"] == 2

@@ -105,14 +105,23 @@ def test_single_replica_is_standalone_and_non_root(helm: Path) -> None:
     assert not by_kind(objects, "ClusterKopfPeering")
 
 
-def test_more_replicas_use_kopf_peering(helm: Path) -> None:
+def test_more_replicas_elect_a_leader_on_a_lease(helm: Path) -> None:
     objects = render(helm, "operator.replicas=3")
     container = by_kind(objects, "Deployment")[0]["spec"]["template"]["spec"]["containers"][0]
-    (peering,) = by_kind(objects, "ClusterKopfPeering")
-    assert f"--peering={peering['metadata']['name']}" in container["args"]
-    assert "--standalone" not in container["args"]
+    assert container["command"] == ["python", "-m", "pagoda_operator.run"]
+    assert "--lease-name=demo-pagoda" in container["args"] and "--lease-namespace=pagoda-system" in container["args"]
+    assert "--standalone" not in container["args"] and "--all-namespaces" in container["args"]
+    assert {e["name"] for e in container["env"]} >= {"POD_NAME", "PAGODA_ENGINE_IMAGE"}
+    assert not by_kind(objects, "ClusterKopfPeering") and not by_kind(objects, "CustomResourceDefinition")[1:]
+    (role,) = by_kind(objects, "Role")
+    assert role["metadata"]["namespace"] == "pagoda-system"
+    assert role["rules"] == [
+        {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["get", "create", "update"]}
+    ]
+    (binding,) = by_kind(objects, "RoleBinding")
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
     rules = by_kind(objects, "ClusterRole")[0]["rules"]
-    assert any("clusterkopfpeerings" in r["resources"] for r in rules)
+    assert not any("clusterkopfpeerings" in r["resources"] for r in rules)
 
 
 def test_rbac_is_least_privilege(helm: Path) -> None:

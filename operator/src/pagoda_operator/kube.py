@@ -1,7 +1,7 @@
 """A small asynchronous Kubernetes API client on aiohttp, with the credentials kopf logs in with.
 
 Only what the reconciler needs: get, list, server-side apply (also as a dry run), merge patch and delete of plain
-dicts. Children are created and changed only by server-side apply (field manager ``pagoda-operator``, forced), so
+dicts; create and replace for the leader-election Lease. Children are created and changed only by server-side apply (field manager ``pagoda-operator``, forced), so
 the operator owns exactly the fields it sets: hand edits of them are undone and fields it stops setting are
 removed, while fields other managers own (an autoscaler's replicas, ``kubectl set env``) are left alone.
 """
@@ -109,6 +109,18 @@ class KubeClient:
         self._check(status, payload)
         items = payload.get("items") or []
         return [i for i in items if label_selector.items() <= ((i.get("metadata") or {}).get("labels") or {}).items()]
+
+    async def create(self, path: str, obj: Mapping[str, Any]) -> dict[str, Any]:
+        """POST ``obj`` to the collection at ``path`` (used for Leases, whose writes must be conditional)."""
+        status, payload = await self._request("POST", path, body=obj, params={"fieldManager": FIELD_MANAGER})
+        self._check(status, payload)
+        return payload
+
+    async def replace(self, path: str, obj: Mapping[str, Any]) -> dict[str, Any]:
+        """PUT ``obj`` at ``path``; a 409 when its ``metadata.resourceVersion`` is no longer the live one."""
+        status, payload = await self._request("PUT", path, body=obj, params={"fieldManager": FIELD_MANAGER})
+        self._check(status, payload)
+        return payload
 
     async def apply(
         self, obj: Mapping[str, Any], *, manager: str = FIELD_MANAGER, dry_run: bool = False
