@@ -72,6 +72,16 @@ def control_plane(directory: Path) -> Iterator[Cluster]:
 
 
 @contextmanager
+def cluster_with_crd(directory: Path, namespace: str) -> Iterator[Cluster]:
+    """The control plane with the ModelDeployment CRD established and ``namespace`` created."""
+    with control_plane(directory) as cluster:
+        cluster.kubectl("apply", "-f", str(REPO / "crds" / "modeldeployment.yaml"))
+        cluster.kubectl("wait", "--for", "condition=established", "crd/modeldeployments.pagoda.dev", "--timeout=60s")
+        cluster.kubectl("create", "namespace", namespace)
+        yield cluster
+
+
+@contextmanager
 def running_operator(cluster: Cluster, namespace: str, log: Path) -> Iterator[subprocess.Popen]:
     """The operator (``kopf run``, standalone, watching ``namespace``) as a process against the cluster."""
     env = {**os.environ, "KUBECONFIG": cluster.kubeconfig, "PAGODA_RECONCILE_INTERVAL": "2"}

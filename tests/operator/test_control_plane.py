@@ -17,7 +17,7 @@ import openai
 import pytest
 import torch
 import yaml
-from control_plane import CLUSTER_SCRIPT, REPO, Cluster, control_plane, run_pod_locally, running_operator, wait_for
+from control_plane import CLUSTER_SCRIPT, REPO, Cluster, cluster_with_crd, run_pod_locally, running_operator, wait_for
 from fake_hub import FakeHub
 from tiny_checkpoints import build_tiny_checkpoint
 
@@ -37,10 +37,7 @@ INVALID = sorted(p.name for p in (EXAMPLES / "invalid").glob("*.yaml"))
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory) -> Iterator[Cluster]:
-    with control_plane(tmp_path_factory.mktemp("k8s") / "cluster") as cluster:
-        cluster.kubectl("apply", "-f", str(REPO / "crds" / "modeldeployment.yaml"))
-        cluster.kubectl("wait", "--for", "condition=established", "crd/modeldeployments.pagoda.dev", "--timeout=60s")
-        cluster.kubectl("create", "namespace", NAMESPACE)
+    with cluster_with_crd(tmp_path_factory.mktemp("k8s") / "cluster", NAMESPACE) as cluster:
         cluster.kubectl("create", "secret", "generic", "hf-token", f"--from-literal=token={HF_TOKEN}", "-n", NAMESPACE)
         key = f"--from-literal=api-key={API_KEY}"
         cluster.kubectl("create", "secret", "generic", "pagoda-api-key", key, "-n", NAMESPACE)

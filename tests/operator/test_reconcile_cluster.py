@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from control_plane import CLUSTER_SCRIPT, REPO, Cluster, control_plane, running_operator, wait_for
+from control_plane import CLUSTER_SCRIPT, Cluster, cluster_with_crd, running_operator, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not CLUSTER_SCRIPT.exists(), reason="needs ../shared/k8s/cluster")]
 
@@ -25,10 +25,7 @@ INTERVAL = 2.0  # the operator's PAGODA_RECONCILE_INTERVAL in running_operator
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory) -> Iterator[Cluster]:
-    with control_plane(tmp_path_factory.mktemp("k8s") / "cluster") as cluster:
-        cluster.kubectl("apply", "-f", str(REPO / "crds" / "modeldeployment.yaml"))
-        cluster.kubectl("wait", "--for", "condition=established", "crd/modeldeployments.pagoda.dev", "--timeout=60s")
-        cluster.kubectl("create", "namespace", NS)
+    with cluster_with_crd(tmp_path_factory.mktemp("k8s") / "cluster", NS) as cluster:
         cluster.kubectl("create", "secret", "generic", "api-key", "--from-literal=api-key=k", "-n", NS)
         yield cluster
 

@@ -44,10 +44,17 @@ def owns_replicas(deployment: Mapping[str, Any], manager: str) -> bool:
     return False
 
 
-async def _ensure(kube: KubeClient, body: Mapping[str, Any], desired: dict[str, Any], force: bool = False) -> None:
-    """Apply ``desired`` if that changes the child (or ``force``); an Event for every write."""
+_UNREAD: Any = object()
+
+
+async def _ensure(
+    kube: KubeClient, body: Mapping[str, Any], desired: dict[str, Any], force: bool = False, live: Any = _UNREAD
+) -> None:
+    """Apply ``desired`` if that changes the child (or ``force``); an Event for every write. ``live``: the child as
+    the caller just read it (None: missing), to save reading it again."""
     kind, name = desired["kind"], desired["metadata"]["name"]
-    live = await kube.get(path_of(desired))
+    if live is _UNREAD:
+        live = await kube.get(path_of(desired))
     if live is not None and not force:
         would_be = await kube.apply(desired, dry_run=True)
         if _version(would_be) != _version(live):  # a controller wrote in between: compare with what it wrote
@@ -85,14 +92,14 @@ async def _apply_deployment(kube: KubeClient, body: Mapping[str, Any], spec: Mod
         return
     live = await kube.get(object_path("apps/v1", "deployments", owner.namespace, owner.name))
     if live is None:  # created at minReplicas
-        await _ensure(kube, body, build_deployment(spec, owner, include_replicas=True))
+        await _ensure(kube, body, build_deployment(spec, owner, include_replicas=True), live=None)
         await _hand_replicas_to_autoscaler(kube, owner, spec.autoscaling.min_replicas)
         await kube.apply(build_deployment(spec, owner, include_replicas=False))  # the operator lets go of replicas
     elif owns_replicas(live, FIELD_MANAGER):  # autoscaling was just switched on
         await _hand_replicas_to_autoscaler(kube, owner, int((live.get("spec") or {}).get("replicas", 1)))
-        await _ensure(kube, body, build_deployment(spec, owner, include_replicas=False), force=True)
+        await _ensure(kube, body, build_deployment(spec, owner, include_replicas=False), force=True, live=live)
     else:
-        await _ensure(kube, body, build_deployment(spec, owner, include_replicas=False))
+        await _ensure(kube, body, build_deployment(spec, owner, include_replicas=False), live=live)
 
 
 async def apply_children(kube: KubeClient, body: Mapping[str, Any], spec: ModelDeploymentSpec, owner: Owner) -> None:

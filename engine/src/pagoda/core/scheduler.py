@@ -190,8 +190,8 @@ class Scheduler:
 
     def _append_token(self, request: Request, token: int, logprobs, now: float) -> None:
         request.append_output_token(token)
-        if request.grammar is not None and not request.grammar.accept(token):
-            # Only possible if the mask was not applied: fail this request alone, never emit invalid output.
+        refused = request.grammar is not None and not request.grammar.accept(token)
+        if refused:  # only possible if the mask was not applied: fail this request alone, never emit invalid output
             self.request_errors[request.request_id] = f"token {token} was sampled against the output's grammar"
         if request.first_token_time is None:
             request.first_token_time = now
@@ -199,7 +199,7 @@ class Scheduler:
         if logprobs is not None and request.logprobs is not None:
             request.logprobs.append(logprobs)
             request.cumulative_logprob += logprobs[token].logprob
-        status = self._stop_status(request, token)
+        status = RequestStatus.FINISHED_ERROR if refused else self._stop_status(request, token)
         if status is not None and request.status == RequestStatus.RUNNING:
             self.running.remove(request)
             self._finish(request, status)
@@ -209,8 +209,6 @@ class Scheduler:
 
     def _stop_status(self, request: Request, token: int) -> Optional[RequestStatus]:
         params = request.sampling_params
-        if request.request_id in self.request_errors:
-            return RequestStatus.FINISHED_ERROR
         if request.grammar is not None and request.grammar.is_terminated:
             return RequestStatus.FINISHED_STOPPED  # the output is complete (even with ignore_eos)
         if request.num_output_tokens >= params.min_tokens:

@@ -239,6 +239,7 @@ class OpenAIServing:
             return
         self.checker.check_structured_output(spec_chars(spec), field)
         limits, engine = self.checker.limits, self.engine.engine
+        future = None
         try:
             # First use imports xgrammar (seconds): never on the event loop.
             future = await asyncio.to_thread(engine.compile_structured_output, spec, limits.max_pending_compiles)
@@ -257,7 +258,9 @@ class OpenAIServing:
                 field,
             ) from None
         except asyncio.CancelledError:
-            if future.cancelled():  # another request with this spec timed out and dropped the queued compile
+            if (
+                future is not None and future.cancelled()
+            ):  # another request with this spec timed out and dropped the queued compile
                 raise too_many_requests(1) from None
             raise
 
