@@ -304,11 +304,14 @@ def elementwise_cases(shape: Shape, sizes: Sizes, dtype: torch.dtype, device: to
 
 def kernel_cases(shapes: tuple[Shape, ...], sizes: Sizes, dtype: torch.dtype, device: torch.device) -> list[Callable]:
     """Builders of every case, in the order they are measured (built lazily: inputs cost memory)."""
+    from gpu_lora import lora_qkv_case  # imports this module: not at the top
+
     builders: list[Callable] = []
     for shape in shapes:
         for make in (decode_case, extend_case, write_kv_case):
             builders.append(lambda make=make, shape=shape: [make(shape, sizes, dtype, device)])
         builders.append(lambda shape=shape: elementwise_cases(shape, sizes, dtype, device))
+        builders.append(lambda shape=shape: lora_qkv_case(shape, sizes, dtype, device))
     return builders
 
 

@@ -215,9 +215,9 @@ def test_health_ready_version_and_tokenize(server):
     assert text["prompt"] == "Once upon a time"
 
 
-def test_api_key_guards_every_route_but_health_ready_and_metrics():
+def test_api_key_guards_every_route_but_probes_metrics_and_adapter_status():
     from pagoda.config import EngineArgs
-    from pagoda.entrypoints.openai.api_server import ServerConfig, build_app
+    from pagoda.entrypoints.openai.api_server import AUTH_EXEMPT_PATHS, ServerConfig, build_app
 
     routes = [
         (method, route.path)
@@ -230,7 +230,7 @@ def test_api_key_guards_every_route_but_health_ready_and_metrics():
     try:
         for method, path in routes:
             status, _, _ = server.request(method, path, {} if method == "POST" else None)
-            if path in ("/health", "/ready", "/metrics"):
+            if path in AUTH_EXEMPT_PATHS:  # probes, /metrics and the adapter status the operator reads
                 assert status == 200, path
             else:
                 assert status == 401, (method, path)

@@ -55,8 +55,8 @@ ARG_CASES = [
             "engine": {"extraArgs": ["--seed", "7"], "shutdownTimeoutSeconds": 60},
         },
         ["/mnt/pvc/models/base", "--host", "0.0.0.0", "--port", "8000", "--served-model-name", "llm"]
-        + ["--tensor-parallel-size", "1", "--enable-lora", "--lora-modules", "sql=/mnt/pvc/adapters/sql"]
-        + ["chat=org/chat", "--max-loras", "2", "--max-lora-rank", "32", "--shutdown-timeout", "60", "--seed", "7"],
+        + ["--tensor-parallel-size", "1", "--enable-lora", "--lora-modules-file", "/etc/pagoda/lora/adapters.json"]
+        + ["--max-loras", "2", "--max-lora-rank", "32", "--shutdown-timeout", "60", "--seed", "7"],
     ),
 ]
 
@@ -123,12 +123,12 @@ def test_model_and_adapter_claims_are_mounted_read_only_once_each() -> None:
         "gpus": 1,
         "loraAdapters": [{"name": "a", "source": "pvc://models/a"}, {"name": "b", "source": "pvc://adapters/b"}],
     }
-    volumes = pod(**spec)["volumes"][2:]
+    volumes = pod(**spec)["volumes"][2:4]
     assert volumes == [
         {"name": "pvc-0", "persistentVolumeClaim": {"claimName": "models", "readOnly": True}},
         {"name": "pvc-1", "persistentVolumeClaim": {"claimName": "adapters", "readOnly": True}},
     ]
-    assert container(**spec)["volumeMounts"][2:] == [
+    assert container(**spec)["volumeMounts"][2:4] == [
         {"name": "pvc-0", "mountPath": "/mnt/pvc/models", "readOnly": True},
         {"name": "pvc-1", "mountPath": "/mnt/pvc/adapters", "readOnly": True},
     ]

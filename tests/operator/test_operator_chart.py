@@ -132,6 +132,9 @@ def test_rbac_is_least_privilege(helm: Path) -> None:
             assert not {"create", "update", "delete"} & set(rule["verbs"])  # the operator never writes specs
         if rule["resources"] == ["pods"]:
             assert set(rule["verbs"]) <= {"get", "list", "watch"}
+    # the adapter lists: read and written by name only, never listed or watched
+    (config_maps,) = [r for r in role["rules"] if r["resources"] == ["configmaps"]]
+    assert set(config_maps["verbs"]) == {"get", "create", "patch", "delete"}
 
 
 def test_chart_crd_is_the_repository_crd(helm: Path) -> None:

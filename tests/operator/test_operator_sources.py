@@ -12,12 +12,12 @@ from importlib import resources
 from typing import Any
 
 import pytest
-from operator_helpers import EXAMPLES, example_body, validate_kubernetes
+from operator_helpers import EXAMPLES, crd_openapi_schema, example_body, validate_kubernetes
 
 from pagoda_operator.builders import Owner, build_deployment
 from pagoda_operator.builders.deployment import CACHE_MOUNT, CHAT_TEMPLATE_MOUNT, cpu_threads
 from pagoda_operator.capabilities import SPEC_FLAGS, check_capabilities, engine_capabilities
-from pagoda_operator.spec import InvalidSpec, parse_spec
+from pagoda_operator.spec import ENGINE_DEFAULT_MAX_LORAS, LORA_RANKS, InvalidSpec, parse_spec
 from pagoda_operator.status import STARTUP_REASONS, compute_conditions
 
 OWNER = Owner(name="llm", namespace="team-a", uid="1234-uid")
@@ -67,7 +67,6 @@ def refused(**spec: Any) -> InvalidSpec:
         ({"gpus": 4}, "spec.gpus", "tensor parallelism 4"),
         ({"gpus": 1, "quantization": "awq"}, "spec.quantization", "awq is not served on cuda"),
         ({"gpus": 1, "quantization": "fp8"}, "spec.quantization", "fp8 is not served on cuda"),
-        ({"loraAdapters": [{"name": "a", "source": "org/a"}]}, "spec.loraAdapters", "LoRA"),
         ({"engine": {"extraArgs": ["--no-such-flag"]}}, "spec.engine.extraArgs[0]", "not a flag of pagoda serve"),
         ({"engine": {"extraArgs": ["--seed", "1", "--port=9"]}}, "spec.engine.extraArgs[2]", "pod's port"),
         ({"engine": {"extraArgs": ["--max-model-len", "99"]}}, "spec.engine.extraArgs[0]", "spec.maxModelLen"),
@@ -89,6 +88,31 @@ def test_specs_inside_the_contract_pass() -> None:
         {"engine": {"extraArgs": ["--max-num-batched-tokens", "8192", "--seed=3", "--seed", "-1"]}},
     ):
         check_capabilities(spec_of(**spec))  # (a negative number is a flag's value, not a flag)
+
+
+def test_lora_is_refused_only_where_the_contract_says_the_engine_has_none() -> None:
+    lora = spec_of(loraAdapters=[{"name": "a", "source": "org/a"}], maxLoraRank=256)
+    check_capabilities(lora)  # this engine serves LoRA up to rank 256
+    without = {**engine_capabilities(), "lora": {"supported": False}}
+    for spec in (lora, spec_of(loraAdapters=[])):  # an empty list turns LoRA on too
+        with pytest.raises(InvalidSpec, match="does not serve LoRA") as info:
+            check_capabilities(spec, without)
+        assert info.value.field == "spec.loraAdapters"
+    check_capabilities(spec_of(), without)
+    smaller = {**engine_capabilities(), "lora": {"supported": True, "max_rank": 64, "ranks": [8, 16, 32, 64]}}
+    with pytest.raises(InvalidSpec, match=r"256 is not a rank this engine serves \(8, 16, 32, 64\)") as info:
+        check_capabilities(lora, smaller)
+    assert info.value.field == "spec.maxLoraRank"
+
+
+def test_the_operators_lora_rules_are_the_engines() -> None:
+    # spec.py and the CRD repeat the engine's ranks and its --max-loras default (CEL cannot read the contract)
+    lora = engine_capabilities()["lora"]
+    assert list(LORA_RANKS) == lora["ranks"] and lora["default_max_loras"] == ENGINE_DEFAULT_MAX_LORAS
+    schema = crd_openapi_schema()["properties"]["spec"]
+    assert schema["properties"]["maxLoraRank"]["enum"] == lora["ranks"]
+    rules = " ".join(rule["rule"] for rule in schema.get("x-kubernetes-validations", []))
+    assert f"self.maxCpuLoras >= (has(self.maxLoras) ? self.maxLoras : {lora['default_max_loras']})" in rules
 
 
 def test_the_flagship_example_is_refused_until_the_engine_serves_it() -> None:

@@ -21,7 +21,10 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATION_DEVICES: dict[str, tuple[str, ...]] = {"int8": ("cpu",)}
 KV_CACHE_DTYPES = ("auto",)
 TENSOR_PARALLEL_MAX = 1  # a single device per replica
-LORA_SUPPORTED = False
+LORA_SUPPORTED = True
+LORA_RANKS = (8, 16, 32, 64, 128, 256)  # the slot widths --max-lora-rank takes (vLLM's choices)
+DEFAULT_MAX_LORAS = 4  # --max-loras
+DEFAULT_MAX_LORA_RANK = 16  # --max-lora-rank
 DEVICES = ("cpu", "cuda")
 
 
@@ -40,7 +43,14 @@ def capabilities(serve_parser: argparse.ArgumentParser) -> dict[str, Any]:
             }
             for device in DEVICES
         },
-        "lora": {"supported": LORA_SUPPORTED},
+        "lora": {
+            "supported": LORA_SUPPORTED,
+            "max_rank": max(LORA_RANKS),
+            "ranks": list(LORA_RANKS),
+            "default_max_loras": DEFAULT_MAX_LORAS,
+            "default_max_lora_rank": DEFAULT_MAX_LORA_RANK,
+            "runtime_updates": True,
+        },
         "chat_template": True,
         "serve_flags": serve_flags(serve_parser),
     }

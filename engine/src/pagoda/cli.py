@@ -15,6 +15,8 @@ from pagoda.cli_serve import add_serve_args, run_serve
 from pagoda.config import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_GPU_MEMORY_UTILIZATION,
+    DEFAULT_MAX_LORA_RANK,
+    DEFAULT_MAX_LORAS,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_SEQS,
     QUANTIZATIONS,
@@ -94,7 +96,31 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="structured outputs: longest run of free whitespace between JSON tokens; 0 (default): JSON as "
         "json.dumps writes it, which no model can pad with whitespace until max_tokens",
     )
+    _add_lora_args(parser)
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log level")
+
+
+def _add_lora_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters next to the base model")
+    parser.add_argument(
+        "--max-loras",
+        type=int,
+        default=DEFAULT_MAX_LORAS,
+        help="adapters resident in the device's slots at once; one step never mixes more",
+    )
+    parser.add_argument(
+        "--max-lora-rank",
+        type=int,
+        default=DEFAULT_MAX_LORA_RANK,
+        help="the largest adapter rank served (the slots' width): one of 8, 16, 32, 64, 128, 256",
+    )
+    parser.add_argument(
+        "--max-cpu-loras",
+        type=int,
+        default=None,
+        help="adapters kept loaded in host memory (default: max-loras); beyond it the least recently used is "
+        "read again from disk when next needed",
+    )
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
@@ -124,6 +150,10 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
         enforce_eager=ns.enforce_eager,
         quantization=ns.quantization,
         structured_output_max_whitespace=ns.structured_output_max_whitespace,
+        enable_lora=ns.enable_lora,
+        max_loras=ns.max_loras,
+        max_lora_rank=ns.max_lora_rank,
+        max_cpu_loras=ns.max_cpu_loras,
     )
 
 

@@ -14,6 +14,7 @@ def run_serve(ns: argparse.Namespace) -> int:
     from pagoda.entrypoints.openai.api_server import ServerConfig, run_server
     from pagoda.entrypoints.openai.auth import resolve_api_keys
     from pagoda.entrypoints.openai.limits import ServerLimits
+    from pagoda.lora.sources import parse_lora_modules
 
     _reject_unsupported(ns)
     limits = ServerLimits(**{name: getattr(ns, name) for name in ServerLimits.__dataclass_fields__})
@@ -33,6 +34,10 @@ def run_serve(ns: argparse.Namespace) -> int:
         enable_auto_tool_choice=ns.enable_auto_tool_choice,
         tool_call_parser=ns.tool_call_parser,
         reasoning_parser=ns.reasoning_parser,
+        lora_modules=tuple(parse_lora_modules(ns.lora_modules or [])),
+        lora_modules_file=ns.lora_modules_file,
+        lora_modules_poll_seconds=ns.lora_modules_poll_seconds,
+        allow_runtime_lora_updates=ns.allow_runtime_lora_updates,
     )
     # fail fast on bad flags, before binding the port
     config.engine_args.validate()
@@ -54,9 +59,8 @@ def _reject_unsupported(ns: argparse.Namespace) -> None:
             f"--tensor-parallel-size {ns.tensor_parallel_size} is not supported: this engine serves at most "
             f"{caps.TENSOR_PARALLEL_MAX} device per replica"
         )
-    lora = ns.enable_lora or ns.lora_modules or ns.max_loras is not None or ns.max_lora_rank is not None
-    if lora and not caps.LORA_SUPPORTED:
-        raise ValueError("LoRA (--enable-lora, --lora-modules, --max-loras, --max-lora-rank) is not supported yet")
+    if (ns.lora_modules or ns.lora_modules_file or ns.allow_runtime_lora_updates) and not ns.enable_lora:
+        raise ValueError("--lora-modules, --lora-modules-file and --allow-runtime-lora-updates need --enable-lora")
 
 
 def add_serve_args(serve: argparse.ArgumentParser) -> None:
@@ -124,10 +128,28 @@ def add_serve_args(serve: argparse.ArgumentParser) -> None:
         help="split <think>...</think> into reasoning_content (qwen3, deepseek_r1)",
     )
     serve.add_argument("--tensor-parallel-size", type=int, default=1, help="not supported yet beyond 1")
-    serve.add_argument("--enable-lora", action="store_true", help="not supported yet")
-    serve.add_argument("--lora-modules", nargs="*", default=None, help="not supported yet")
-    serve.add_argument("--max-loras", type=int, default=None, help="not supported yet")
-    serve.add_argument("--max-lora-rank", type=int, default=None, help="not supported yet")
+    serve.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=None,
+        help="adapters served at start: name=path, or vLLM's JSON form "
+        '\'{"name": ..., "path": ..., "base_model_name": ...}\'; path: a local folder, an org/name Hub id, hf:// or '
+        "s3://. A request's model field selects one",
+    )
+    serve.add_argument(
+        "--lora-modules-file",
+        default=None,
+        help="a JSON list of {name, path} adapters, read at start and re-read every --lora-modules-poll-seconds: "
+        "adapters added are loaded, removed ones unloaded, without a restart (the operator mounts a ConfigMap here)",
+    )
+    serve.add_argument(
+        "--lora-modules-poll-seconds", type=float, default=5.0, help="how often --lora-modules-file is re-read"
+    )
+    serve.add_argument(
+        "--allow-runtime-lora-updates",
+        action="store_true",
+        help="enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter (behind --api-key like every /v1 route)",
+    )
 
 
 def _add_limit_args(serve: argparse.ArgumentParser) -> None:

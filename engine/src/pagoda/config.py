@@ -8,7 +8,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Optional, Union
 
-from pagoda.capabilities import QUANTIZATION_DEVICES
+from pagoda.capabilities import DEFAULT_MAX_LORA_RANK, DEFAULT_MAX_LORAS, LORA_RANKS, QUANTIZATION_DEVICES
 
 DEFAULT_BLOCK_SIZE = 16
 # weight-only int8 with per-output-channel scales (CPU); the devices of each are in pagoda.capabilities
@@ -68,6 +68,11 @@ class EngineArgs:
     quantization: Optional[str] = None  # None | int8 (weight-only, per-channel scales; CPU)
     # Structured outputs: the longest run of whitespace a JSON output may hold between tokens (0: compact JSON).
     structured_output_max_whitespace: int = 0
+    # LoRA adapters (see pagoda.lora): off unless enabled; the slots and caches are sized here.
+    enable_lora: bool = False
+    max_loras: int = DEFAULT_MAX_LORAS  # adapters resident at once (and the most one step may mix)
+    max_lora_rank: int = DEFAULT_MAX_LORA_RANK
+    max_cpu_loras: Optional[int] = None  # adapters kept in host memory; None: max_loras
 
     def resolved_model_path(self) -> Path:
         """The local folder of the model, downloading it first when it is remote (see ``pagoda.model_source``)."""
@@ -108,8 +113,19 @@ class EngineArgs:
             raise ValueError(
                 f"structured_output_max_whitespace must be >= 0, got {self.structured_output_max_whitespace}"
             )
+        self._validate_lora()
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")
+
+    def _validate_lora(self) -> None:
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras must be at least 1, got {self.max_loras}")
+        if self.max_lora_rank not in LORA_RANKS:
+            raise ValueError(
+                f"max_lora_rank must be one of {', '.join(map(str, LORA_RANKS))}, got {self.max_lora_rank}"
+            )
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})")
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,6 +136,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     max_model_len: int
     enable_chunked_prefill: bool
+    max_loras: int = 0  # distinct adapters one step may hold; 0: LoRA is off
 
     @staticmethod
     def from_args(args: EngineArgs, max_model_len: int) -> SchedulerConfig:
@@ -135,4 +152,5 @@ class SchedulerConfig:
                 f"without chunked prefill, max_num_batched_tokens ({budget}) must be at least "
                 f"max_model_len ({max_model_len}) so that every prompt fits in one step"
             )
-        return SchedulerConfig(args.max_num_seqs, budget, max_model_len, args.enable_chunked_prefill)
+        max_loras = args.max_loras if args.enable_lora else 0
+        return SchedulerConfig(args.max_num_seqs, budget, max_model_len, args.enable_chunked_prefill, max_loras)

@@ -113,8 +113,10 @@ class EngineMetrics:
         num_blocks: int,
         registry: Optional[CollectorRegistry] = None,
         max_model_len: Optional[int] = None,
+        max_loras: int = 0,  # LoRA slots; 0: LoRA is off and its gauge is not exported
     ) -> None:
         self.model_name = model_name
+        self.max_loras = max_loras
         self.registry = registry if registry is not None else CollectorRegistry()
         self._lock = threading.Lock()
         self._requests: dict[str, _RequestTrack] = {}
@@ -166,6 +168,18 @@ class EngineMetrics:
         for metric in metrics:
             if metric is not self.cache_config_info and metric is not self.request_success:
                 metric.labels(model_name)  # so each series is exposed (at 0) before its first event
+        if max_loras:
+            # vLLM's: one series whose labels list the adapters running and waiting, set to the time it was last
+            # updated. Only the current label set is kept (vLLM keeps every set it has seen).
+            self.lora_requests_info = Gauge(
+                "vllm:lora_requests_info",
+                "Running stats on lora requests.",
+                ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+                registry=None,
+            )
+            self._lora_labels: Optional[tuple[str, str, str]] = None
+            self._set_lora_info((), ())
+            metrics.append(self.lora_requests_info)
         self.registry.register(_WithoutCreated(metrics))
 
     # ---- engine thread -------------------------------------------------------------------
@@ -187,6 +201,16 @@ class EngineMetrics:
                 counter.labels(name).inc(delta)
         if num_batched_tokens > 0:
             self.iteration_tokens.labels(name).observe(num_batched_tokens)
+        if self.max_loras:
+            self._set_lora_info(stats.running_lora_adapters, stats.waiting_lora_adapters)
+
+    def _set_lora_info(self, running: tuple[str, ...], waiting: tuple[str, ...]) -> None:
+        labels = (str(self.max_loras), ",".join(waiting), ",".join(running))
+        with self._lock:
+            if labels != self._lora_labels and self._lora_labels is not None:
+                self.lora_requests_info.remove(*self._lora_labels)
+            self._lora_labels = labels
+        self.lora_requests_info.labels(*labels).set_to_current_time()
 
     def _advance(self, key: str, value: int) -> int:
         with self._lock:

@@ -34,8 +34,13 @@ SPEC_FLAGS = {
     "--quantization": "spec.quantization",
     "--enable-lora": "spec.loraAdapters",
     "--lora-modules": "spec.loraAdapters",
+    "--lora-modules-file": "spec.loraAdapters",
+    # adapters loaded through the API would live on one pod only, vanish when it restarts and shadow a listed
+    # adapter of the same name: spec.loraAdapters is the one way in
+    "--allow-runtime-lora-updates": "spec.loraAdapters",
     "--max-loras": "spec.maxLoras",
     "--max-lora-rank": "spec.maxLoraRank",
+    "--max-cpu-loras": "spec.maxCpuLoras",
     "--shutdown-timeout": "spec.engine.shutdownTimeoutSeconds",
     "--chat-template": "spec.engine.chatTemplate",
     "--api-key": "spec.apiKeySecretRef",
@@ -65,8 +70,7 @@ def check_capabilities(spec: ModelDeploymentSpec, contract: dict[str, Any] | Non
         raise InvalidSpec(
             "spec.quantization", f"{spec.quantization} is not served on {device} replicas by this engine ({offered})"
         )
-    if spec.lora_adapters and not contract["lora"]["supported"]:
-        raise InvalidSpec("spec.loraAdapters", "this engine does not serve LoRA adapters yet")
+    _check_lora(spec, contract)
     if _SOURCE_KINDS[spec.model.kind] not in contract["model_sources"]:
         raise InvalidSpec("spec.model.source", f"this engine cannot load {spec.model.kind} sources")
     if spec.dtype is not None and spec.dtype not in contract["dtypes"]:
@@ -74,6 +78,26 @@ def check_capabilities(spec: ModelDeploymentSpec, contract: dict[str, Any] | Non
     if spec.chat_template is not None and not contract["chat_template"]:
         raise InvalidSpec("spec.engine.chatTemplate", "this engine does not take a chat template")
     _check_extra_args(spec.extra_args, set(contract["serve_flags"]))
+
+
+def _check_lora(spec: ModelDeploymentSpec, contract: dict[str, Any]) -> None:
+    """LoRA (on whenever spec.loraAdapters is present) only where the engine serves it, at a rank it serves;
+    adapters take the model's source forms."""
+    if not spec.lora_enabled:
+        return
+    lora = contract["lora"]
+    if not lora["supported"]:
+        raise InvalidSpec("spec.loraAdapters", "this engine does not serve LoRA adapters")
+    ranks = lora.get("ranks", [])
+    if spec.max_lora_rank is not None and ranks and spec.max_lora_rank not in ranks:
+        raise InvalidSpec(
+            "spec.maxLoraRank", f"{spec.max_lora_rank} is not a rank this engine serves ({', '.join(map(str, ranks))})"
+        )
+    for index, adapter in enumerate(spec.lora_adapters):
+        if _SOURCE_KINDS[adapter.source.kind] not in contract["model_sources"]:
+            raise InvalidSpec(
+                f"spec.loraAdapters[{index}].source", f"this engine cannot load {adapter.source.kind} sources"
+            )
 
 
 def _check_extra_args(args: tuple[str, ...], flags: set[str]) -> None:

@@ -20,7 +20,12 @@ import kopf
 from pagoda_operator.constants import FIELD_MANAGER
 
 _SERVICE_ACCOUNT_TOKEN = "/var/run/secrets/kubernetes.io/serviceaccount/token"
-_PLURALS = {"Deployment": "deployments", "Service": "services", "HorizontalPodAutoscaler": "horizontalpodautoscalers"}
+_PLURALS = {
+    "Deployment": "deployments",
+    "Service": "services",
+    "HorizontalPodAutoscaler": "horizontalpodautoscalers",
+    "ConfigMap": "configmaps",
+}
 
 
 class KubeError(Exception):

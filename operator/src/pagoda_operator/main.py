@@ -20,6 +20,7 @@ from pagoda_operator.builders.meta import MANAGED_BY
 from pagoda_operator.constants import GROUP, PLURAL, VERSION
 from pagoda_operator.kube import KubeClient, KubeError
 from pagoda_operator.reconcile import delete_children, reconcile, refresh_owner_status
+from pagoda_operator.status import status_changes
 
 RECONCILE_INTERVAL = float(os.environ.get("PAGODA_RECONCILE_INTERVAL", "30"))
 AUTOSCALE_INTERVAL = float(os.environ.get("PAGODA_AUTOSCALE_INTERVAL", "15"))
@@ -33,7 +34,8 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="pagoda.dev")
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix="pagoda.dev")
     memo.kube = KubeClient.from_environment(settings)
-    memo.scrape_session = aiohttp.ClientSession()  # the autoscaler's, shared by every resource (memos are copies)
+    # Reaches the engine pods (the autoscaler's /metrics, the adapter status); shared by every resource.
+    memo.scrape_session = aiohttp.ClientSession()
 
 
 @kopf.on.cleanup()
@@ -53,10 +55,11 @@ def _lock(memo: kopf.Memo) -> asyncio.Lock:
 async def _reconcile_into(memo: kopf.Memo, body: kopf.Body, patch: kopf.Patch) -> None:
     try:
         async with _lock(memo):
-            status = await reconcile(memo.kube, body, memo.setdefault("reported", {}))
+            status = await reconcile(memo.kube, body, memo.setdefault("reported", {}), session=memo.scrape_session)
     except (KubeError, aiohttp.ClientError) as error:
         raise kopf.TemporaryError(f"Kubernetes API call failed: {error}", delay=10) from error
-    patch.status.update(status)
+    # Only what changed: a quiet pass writes no status at all.
+    patch.status.update(status_changes(body.get("status") or {}, status))
 
 
 @kopf.on.resume(*RESOURCE)
@@ -92,7 +95,7 @@ async def on_deployment_event(
     if not owner or event.get("type") == "DELETED":
         return
     try:
-        await refresh_owner_status(memo.kube, body.metadata.namespace, owner)
+        await refresh_owner_status(memo.kube, body.metadata.namespace, owner, memo.scrape_session)
     except (KubeError, aiohttp.ClientError) as error:
         logger.warning(f"could not refresh the status of ModelDeployment {owner}: {error}")  # the timer retries
 

@@ -5,7 +5,10 @@ GETs. Every write is a server-side apply with the operator's field manager, crea
 owns exactly the fields it sets: a field removed from the spec is removed from the child, a hand edit of a field it
 sets is reverted, and fields set by others are left alone. Before writing, a dry-run apply shows what the child
 would become; when that equals the live object nothing is written and no Event is posted, so a quiet reconcile
-makes no writes at all.
+makes no writes at all. The status is written only where it changed (``status_changes``).
+
+With LoRA on, the adapter list ConfigMap is applied before the Deployment (its pods mount it), and the status says
+which adapters the Ready pods have loaded (``lora_status``: one HTTP GET per Ready pod per pass).
 """
 
 from __future__ import annotations
@@ -14,15 +17,26 @@ import datetime
 from collections.abc import Mapping
 from typing import Any, Optional
 
+import aiohttp
 import kopf
 
-from pagoda_operator.builders import Owner, build_deployment, build_hpa, build_service, selector_labels, selector_string
+from pagoda_operator.builders import (
+    Owner,
+    build_deployment,
+    build_hpa,
+    build_lora_config_map,
+    build_service,
+    lora_config_map_name,
+    selector_labels,
+    selector_string,
+)
 from pagoda_operator.builders.service import endpoint_url
 from pagoda_operator.capabilities import check_capabilities
 from pagoda_operator.constants import API_VERSION, AUTOSCALER_FIELD_MANAGER, FIELD_MANAGER, PLURAL
 from pagoda_operator.kube import KubeClient, object_path, path_of
+from pagoda_operator.lora_status import observe_lora
 from pagoda_operator.spec import InvalidSpec, ModelDeploymentSpec, parse_spec
-from pagoda_operator.status import compute_status
+from pagoda_operator.status import compute_status, status_changes
 
 # What every write changes by itself (or what no apply sets): not a difference worth writing for.
 _VOLATILE_METADATA = frozenset({"managedFields", "resourceVersion", "generation"})
@@ -102,16 +116,28 @@ async def _apply_deployment(kube: KubeClient, body: Mapping[str, Any], spec: Mod
         await _ensure(kube, body, build_deployment(spec, owner, include_replicas=False), live=live)
 
 
+async def _delete_child(kube: KubeClient, body: Mapping[str, Any], path: str, kind: str, name: str) -> None:
+    """Delete a child that is no longer wanted, if it is there (an Event when it was)."""
+    if await kube.get(path) is not None and await kube.delete(path):
+        kopf.info(dict(body), reason="Deleted", message=f"deleted {kind} {name}")
+
+
 async def apply_children(kube: KubeClient, body: Mapping[str, Any], spec: ModelDeploymentSpec, owner: Owner) -> None:
-    """Create or re-apply the Deployment, Service and HPA; delete an HPA that is no longer wanted."""
+    """Create or re-apply the adapter list, Deployment, Service and HPA; delete the ones no longer wanted."""
+    config_map = build_lora_config_map(spec, owner)
+    if config_map is not None:
+        await _ensure(kube, body, config_map)  # before the Deployment: its pods mount it
     await _apply_deployment(kube, body, spec, owner)
     await _ensure(kube, body, build_service(spec, owner))
     hpa = build_hpa(spec, owner)
-    hpa_path = object_path("autoscaling/v2", "horizontalpodautoscalers", owner.namespace, owner.name)
     if hpa is not None:
         await _ensure(kube, body, hpa)
-    elif await kube.get(hpa_path) is not None and await kube.delete(hpa_path):
-        kopf.info(dict(body), reason="Deleted", message=f"deleted HorizontalPodAutoscaler {owner.name}")
+    else:
+        path = object_path("autoscaling/v2", "horizontalpodautoscalers", owner.namespace, owner.name)
+        await _delete_child(kube, body, path, "HorizontalPodAutoscaler", owner.name)
+    if config_map is None:  # LoRA off: after the Deployment, whose new template no longer mounts it
+        name = lora_config_map_name(owner)
+        await _delete_child(kube, body, object_path("v1", "configmaps", owner.namespace, name), "ConfigMap", name)
 
 
 async def delete_children(kube: KubeClient, body: Mapping[str, Any]) -> None:
@@ -123,6 +149,7 @@ async def delete_children(kube: KubeClient, body: Mapping[str, Any]) -> None:
         ("apps/v1", "deployments"),
     ):
         await kube.delete(object_path(api_version, plural, meta["namespace"], meta["name"]))
+    await kube.delete(object_path("v1", "configmaps", meta["namespace"], lora_config_map_name(Owner.from_body(body))))
 
 
 def _report_invalid(body: Mapping[str, Any], error: InvalidSpec, reported: dict[str, str]) -> None:
@@ -148,12 +175,13 @@ def validated_spec(body: Mapping[str, Any]) -> ModelDeploymentSpec:
 async def observe(
     kube: KubeClient,
     body: Mapping[str, Any],
+    spec: Optional[ModelDeploymentSpec],
     error: Optional[InvalidSpec],
-    endpoint: Optional[str],
     now: datetime.datetime,
-    served_model_name: Optional[str] = None,
+    session: Optional[aiohttp.ClientSession] = None,
 ) -> dict[str, Any]:
-    """The status for what the Deployment and its pods show right now (reads only)."""
+    """The status for what the Deployment and its pods show right now (reads only; ``spec`` None while invalid).
+    With ``session``, the Ready pods are asked which adapters they have loaded."""
     owner = Owner.from_body(body)
     deployment = await kube.get(object_path("apps/v1", "deployments", owner.namespace, owner.name))
     pods = await kube.list(object_path("v1", "pods", owner.namespace), selector_labels(owner)) if deployment else []
@@ -164,9 +192,10 @@ async def observe(
         previous=body.get("status") or {},
         generation=(body.get("metadata") or {}).get("generation"),
         selector=selector_string(owner),
-        endpoint=endpoint,
+        endpoint=endpoint_url(spec, owner) if spec else None,
         now=now,
-        served_model_name=served_model_name,
+        served_model_name=spec.served_model_name if spec else None,
+        lora=await observe_lora(session, spec, pods),
     )
 
 
@@ -175,15 +204,16 @@ async def reconcile(
     body: Mapping[str, Any],
     reported: Optional[dict[str, str]] = None,
     now: Optional[datetime.datetime] = None,
+    session: Optional[aiohttp.ClientSession] = None,
 ) -> dict[str, Any]:
     """Bring the children in line with the spec (unless it is invalid) and return the status to patch.
 
-    ``reported`` remembers what was already announced in Events for this resource (kopf keeps it per resource).
+    ``reported`` remembers what was already announced in Events for this resource (kopf keeps it per resource);
+    ``session`` reaches the pods over HTTP for the adapter status.
     """
     owner = Owner.from_body(body)
     error: Optional[InvalidSpec] = None
-    endpoint: Optional[str] = None
-    served: Optional[str] = None
+    spec: Optional[ModelDeploymentSpec] = None
     try:
         spec = validated_spec(body)
     except InvalidSpec as exc:
@@ -193,23 +223,25 @@ async def reconcile(
         if reported is not None:
             reported.pop("invalid", None)  # a later, identical mistake is news again
         await apply_children(kube, body, spec, owner)
-        endpoint, served = endpoint_url(spec, owner), spec.served_model_name
-    return await observe(kube, body, error, endpoint, now or datetime.datetime.now(datetime.UTC), served)
+    return await observe(kube, body, spec, error, now or datetime.datetime.now(datetime.UTC), session)
 
 
-async def refresh_owner_status(kube: KubeClient, namespace: str, name: str) -> None:
-    """Recompute and patch a ModelDeployment's status after its Deployment changed, without touching children."""
+async def refresh_owner_status(
+    kube: KubeClient, namespace: str, name: str, session: Optional[aiohttp.ClientSession] = None
+) -> None:
+    """Recompute a ModelDeployment's status after its Deployment changed, without touching children, and patch
+    what changed."""
     path = object_path(API_VERSION, PLURAL, namespace, name)
     body = await kube.get(path)
     if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
         return
     error: Optional[InvalidSpec] = None
-    endpoint: Optional[str] = None
-    served: Optional[str] = None
+    spec: Optional[ModelDeploymentSpec] = None
     try:
         spec = validated_spec(body)
-        endpoint, served = endpoint_url(spec, Owner.from_body(body)), spec.served_model_name
     except InvalidSpec as exc:
         error = exc
-    status = await observe(kube, body, error, endpoint, datetime.datetime.now(datetime.UTC), served)
-    await kube.merge_patch(f"{path}/status", {"status": status})
+    status = await observe(kube, body, spec, error, datetime.datetime.now(datetime.UTC), session)
+    changes = status_changes(body.get("status") or {}, status)
+    if changes:
+        await kube.merge_patch(f"{path}/status", {"status": changes})

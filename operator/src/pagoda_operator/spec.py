@@ -1,8 +1,8 @@
 """Parse a ModelDeployment body once into a frozen, validated ``ModelDeploymentSpec``.
 
 The CRD's OpenAPI schema already enforces types, enums, minimums and defaults. This module checks what the schema
-cannot express (cross-field rules, the shape of ``pvc://`` sources, duplicate adapter names) and raises
-``InvalidSpec`` naming the offending field, so the operator can report it in a Degraded condition.
+cannot express (cross-field rules, the shape of ``pvc://`` sources, duplicate adapter names), mirrors its CEL rules,
+and raises ``InvalidSpec`` naming the offending field, so the operator can report it in a Degraded condition.
 """
 
 from __future__ import annotations
@@ -17,7 +17,10 @@ from pagoda_operator.constants import DEFAULT_ENGINE_IMAGE
 GPU_ONLY_QUANTIZATIONS = frozenset({"awq", "gptq", "fp8"})
 CPU_ONLY_QUANTIZATIONS = frozenset({"int8"})  # the engine's weight-only int8 kernels are CPU kernels
 _HF_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
-_ADAPTER_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*$")
+# The engine's rule for adapter names (pagoda.lora.sources), also the CRD's pattern.
+_ADAPTER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}$")
+LORA_RANKS = (8, 16, 32, 64, 128, 256)  # what --max-lora-rank takes
+ENGINE_DEFAULT_MAX_LORAS = 4  # pagoda serve's --max-loras default, which --max-cpu-loras must not undercut
 _PVC_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _S3_URL = re.compile(r"^s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/[^\s]*)?$")
 
@@ -122,9 +125,13 @@ class ModelDeploymentSpec:
     gpu_memory_utilization: Optional[float] = None
     max_num_seqs: Optional[int] = None
     enable_prefix_caching: Optional[bool] = None
+    # LoRA is on whenever spec.loraAdapters is present, even empty: then the adapter list can change (to and
+    # from empty too) without touching the pod template.
+    lora_enabled: bool = False
     lora_adapters: tuple[LoraAdapter, ...] = ()
     max_loras: Optional[int] = None
     max_lora_rank: Optional[int] = None
+    max_cpu_loras: Optional[int] = None
     replicas: int = 1
     autoscaling: Autoscaling = field(default_factory=Autoscaling)
     resources: Mapping[str, Any] = field(default_factory=dict)
@@ -139,9 +146,12 @@ class ModelDeploymentSpec:
     service_port: int = 8000
 
     def pvc_claims(self) -> list[str]:
-        """Distinct claims that hold the model or an adapter, in first-use order."""
-        sources = [self.model, *(a.source for a in self.lora_adapters)]
-        return list(dict.fromkeys(s.claim for s in sources if s.kind == "pvc" and s.claim))
+        """Distinct claims that hold the model or an adapter: the model's first, then the adapters' by name.
+
+        Sorted, not in list order, so reordering adapters never renames a volume (which would roll the pods)."""
+        model = [self.model.claim] if self.model.kind == "pvc" and self.model.claim else []
+        adapters = sorted({a.source.claim for a in self.lora_adapters if a.source.kind == "pvc" and a.source.claim})
+        return model + [claim for claim in adapters if claim not in model]
 
 
 def parse_source(text: Optional[str], field_path: str) -> ModelSource:
@@ -205,6 +215,28 @@ def _parse_adapters(raw: list[Mapping[str, Any]]) -> tuple[LoraAdapter, ...]:
     return tuple(adapters)
 
 
+def _parse_lora(spec: Mapping[str, Any]) -> dict[str, Any]:
+    """The LoRA fields (mirrors the CRD's CEL rules on them)."""
+    enabled = spec.get("loraAdapters") is not None
+    for key in ("maxLoras", "maxLoraRank", "maxCpuLoras"):
+        if spec.get(key) is not None and not enabled:
+            raise InvalidSpec(f"spec.{key}", "set only together with loraAdapters")
+    rank = spec.get("maxLoraRank")
+    if rank is not None and rank not in LORA_RANKS:
+        raise InvalidSpec("spec.maxLoraRank", f"{rank} is not one of {', '.join(map(str, LORA_RANKS))}")
+    max_loras, max_cpu_loras = spec.get("maxLoras"), spec.get("maxCpuLoras")
+    resident = ENGINE_DEFAULT_MAX_LORAS if max_loras is None else max_loras
+    if max_cpu_loras is not None and max_cpu_loras < resident:
+        raise InvalidSpec("spec.maxCpuLoras", f"{max_cpu_loras} is less than maxLoras ({resident})")
+    return {
+        "lora_enabled": enabled,
+        "lora_adapters": _parse_adapters(list(spec.get("loraAdapters") or [])),
+        "max_loras": max_loras,
+        "max_lora_rank": rank,
+        "max_cpu_loras": max_cpu_loras,
+    }
+
+
 def _parse_cache(raw: Mapping[str, Any]) -> ModelCache:
     cache = ModelCache(type=str(raw.get("type", "emptyDir")), claim_name=raw.get("claimName"), size=raw.get("size"))
     if cache.type == "pvc" and not cache.claim_name:
@@ -212,15 +244,16 @@ def _parse_cache(raw: Mapping[str, Any]) -> ModelCache:
     return cache
 
 
-def _parse_model(model: Mapping[str, Any]) -> dict[str, Any]:
-    """The model's source and how to fetch it (mirrors the CRD's CEL rules on spec.model)."""
+def _parse_model(model: Mapping[str, Any], s3_adapters: bool) -> dict[str, Any]:
+    """The model's source and how to fetch it (mirrors the CRD's CEL rules on spec.model); ``s3_adapters``:
+    whether an adapter comes from S3 (it is read with the same S3 settings)."""
     source = parse_source(model.get("source"), "spec.model.source")
     revision = model.get("revision")
     if revision is not None and source.kind != "hf":
         raise InvalidSpec("spec.model.revision", "applies to Hugging Face sources only")
     raw_s3 = model.get("s3")
-    if raw_s3 is not None and source.kind != "s3":
-        raise InvalidSpec("spec.model.s3", "applies to s3:// sources only")
+    if raw_s3 is not None and source.kind != "s3" and not s3_adapters:
+        raise InvalidSpec("spec.model.s3", "applies to s3:// sources (the model's or an adapter's) only")
     raw_s3 = raw_s3 or {}
     token = model.get("hfTokenSecretRef")
     return {
@@ -256,14 +289,13 @@ def parse_spec(body: Mapping[str, Any]) -> ModelDeploymentSpec:
         raise InvalidSpec("spec.quantization", f"{quantization} needs a GPU, but spec.gpus is 0")
     if quantization in CPU_ONLY_QUANTIZATIONS and gpus > 0:
         raise InvalidSpec("spec.quantization", f"{quantization} runs on CPU replicas only, but spec.gpus is {gpus}")
-    adapters = _parse_adapters(list(spec.get("loraAdapters") or []))
-    for key in ("maxLoras", "maxLoraRank"):
-        if spec.get(key) is not None and not adapters:
-            raise InvalidSpec(f"spec.{key}", "set only together with loraAdapters")
+    lora = _parse_lora(spec)
+    s3_adapters = any(a.source.kind == "s3" for a in lora["lora_adapters"])
     api_key = spec.get("apiKeySecretRef") or {}
     service = spec.get("service") or {}
     return ModelDeploymentSpec(
-        **_parse_model(model),
+        **_parse_model(model, s3_adapters),
+        **lora,
         served_model_name=str(model.get("servedModelName") or name),
         chat_template=_parse_chat_template(engine.get("chatTemplate")),
         image=str(engine.get("image") or DEFAULT_ENGINE_IMAGE),
@@ -278,9 +310,6 @@ def parse_spec(body: Mapping[str, Any]) -> ModelDeploymentSpec:
         gpu_memory_utilization=spec.get("gpuMemoryUtilization"),
         max_num_seqs=spec.get("maxNumSeqs"),
         enable_prefix_caching=spec.get("enablePrefixCaching"),
-        lora_adapters=adapters,
-        max_loras=spec.get("maxLoras"),
-        max_lora_rank=spec.get("maxLoraRank"),
         replicas=int(spec.get("replicas", 1)),
         autoscaling=_parse_autoscaling(spec.get("autoscaling") or {}),
         resources=dict(spec.get("resources") or {}),

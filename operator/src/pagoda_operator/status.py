@@ -4,7 +4,7 @@ Conditions: ``Ready`` (every wanted replica serves), ``Progressing`` (a rollout 
 ``Degraded`` (something needs a human: InvalidSpec; the start-up reason an engine or model download reported in its
 termination message, such as ModelNotFound, Unauthorized or OutOfMemory; ModelLoadFailed for any other crash loop;
 ImagePullBackOff; Unschedulable, with the scheduler's message; ProgressDeadlineExceeded when the Deployment
-controller gave up waiting for the rollout).
+controller gave up waiting for the rollout). With LoRA on, ``LoraAdaptersReady`` too (see ``lora_status``).
 ``lastTransitionTime`` only changes when a condition's status changes.
 """
 
@@ -14,9 +14,12 @@ import datetime
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from pagoda_operator.spec import InvalidSpec
+
+if TYPE_CHECKING:  # lora_status builds its condition with this module's Condition
+    from pagoda_operator.lora_status import LoraStatus
 
 _PULL_FAILURES = frozenset({"ImagePullBackOff", "ErrImagePull", "InvalidImageName"})
 _CRASH_FAILURES = frozenset({"CrashLoopBackOff"})
@@ -34,10 +37,10 @@ _REASON_LINE = re.compile(rf"^({'|'.join(STARTUP_REASONS)}): (.*)$", re.DOTALL)
 
 @dataclass(slots=True, frozen=True)
 class Condition:
-    """One status condition before timestamps are attached."""
+    """One status condition before timestamps are attached; ``status`` None is Unknown."""
 
     type: str
-    status: bool
+    status: Optional[bool]
     reason: str
     message: str
 
@@ -168,7 +171,7 @@ def render_conditions(
     stamp = now.astimezone(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     rendered: list[dict[str, Any]] = []
     for condition in conditions:
-        status = "True" if condition.status else "False"
+        status = {True: "True", False: "False", None: "Unknown"}[condition.status]
         old = before.get(condition.type) or {}
         item: dict[str, Any] = {
             "type": condition.type,
@@ -194,19 +197,28 @@ def compute_status(
     endpoint: Optional[str],
     now: datetime.datetime,
     served_model_name: Optional[str] = None,
+    lora: Optional[LoraStatus] = None,
 ) -> dict[str, Any]:
     """The full ``.status`` to patch onto the ModelDeployment (``servedModelName``: the name clients send, also
-    when the spec leaves it to default; null while the spec is invalid)."""
+    when the spec leaves it to default; null while the spec is invalid; ``loraAdapters`` null without LoRA, which
+    removes a stale list)."""
     observed = (deployment or {}).get("status") or {}
-    conditions = compute_conditions(error, deployment, pods)
+    conditions = compute_conditions(error, deployment, pods) + ([lora.condition] if lora else [])
     status: dict[str, Any] = {
         "replicas": int(observed.get("replicas") or 0),
         "readyReplicas": int(observed.get("readyReplicas") or 0),
         "selector": selector,
         "endpoint": endpoint,
         "servedModelName": served_model_name,
+        "loraAdapters": lora.adapters if lora else None,
         "conditions": render_conditions(conditions, previous.get("conditions") or [], generation, now),
     }
     if generation is not None:
         status["observedGeneration"] = generation
     return status
+
+
+def status_changes(previous: Mapping[str, Any], status: Mapping[str, Any]) -> dict[str, Any]:
+    """The fields of ``status`` that differ from ``previous`` (the live status): what a merge patch must write.
+    Empty when nothing changed, so a quiet pass writes nothing."""
+    return {key: value for key, value in status.items() if previous.get(key) != value}

@@ -115,11 +115,14 @@ class Scheduler:
 
     def _admit_waiting(self, scheduled: dict[str, ScheduledRequest], budget: int) -> int:
         now = time.monotonic()
-        compiling: list[Request] = []  # set aside while their grammar compiles; put back in order below
+        # Set aside (and put back in order below): requests whose grammar compiles, and requests whose adapter
+        # has no slot this step. The requests behind them go first.
+        deferred: list[Request] = []
+        adapters = _AdapterSlots(self.config.max_loras, self.running)
         while self.waiting and budget > 0:
             request = self.waiting[0]
-            if request.grammar_pending:
-                compiling.append(self.waiting.popleft())  # the requests behind it go first
+            if request.grammar_pending or not adapters.admits(request.lora_id):
+                deferred.append(self.waiting.popleft())
                 continue
             seats = _seats(request)
             if self.running and len(self.running) + seats > self.config.max_num_seqs:
@@ -141,9 +144,10 @@ class Scheduler:
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = now
             self.running.append(request)
+            adapters.add(request.lora_id)
             scheduled[request.request_id] = ScheduledRequest(request, num_new, self.kv.get_block_ids(request))
             budget -= num_new
-        self.waiting.extendleft(reversed(compiling))  # still counted in num_waiting_seqs: never dequeued
+        self.waiting.extendleft(reversed(deferred))  # still counted in num_waiting_seqs: never dequeued
         return budget
 
     def _preempt(self, request: Request, scheduled: dict[str, ScheduledRequest]) -> int:
@@ -276,6 +280,38 @@ class Scheduler:
         request.status = status
         self.kv.free(request)
         del self.requests[request.request_id]
+
+
+class _AdapterSlots:
+    """Admission's view of LoRA slots: the running sequences never use more than ``max_loras`` adapters.
+
+    A request whose adapter is running is admitted as usual; one with a new adapter needs a free slot. Once a
+    request waits for a slot, one running adapter (the one with the fewest running sequences) stops taking new
+    requests, so it drains and frees its slot: a waiting adapter is never starved by busy ones. ``max_loras``
+    0 (LoRA off) admits everything.
+    """
+
+    def __init__(self, max_loras: int, running: list[Request]) -> None:
+        self.max_loras = max_loras
+        self.counts: dict[int, int] = {}
+        for request in running:
+            self.add(request.lora_id)
+        self.draining: Optional[int] = None
+
+    def add(self, lora_id: Optional[int]) -> None:
+        if lora_id is not None:
+            self.counts[lora_id] = self.counts.get(lora_id, 0) + 1
+
+    def admits(self, lora_id: Optional[int]) -> bool:
+        if lora_id is None or self.max_loras == 0:
+            return True
+        if lora_id in self.counts:
+            return lora_id != self.draining
+        if len(self.counts) < self.max_loras:
+            return True
+        if self.draining is None:  # the first request this step that waits for a slot
+            self.draining = min(self.counts, key=lambda i: (self.counts[i], i))
+        return False
 
 
 def _seats(request: Request) -> int:

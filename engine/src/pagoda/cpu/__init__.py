@@ -22,7 +22,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = ("packed_linear.cpp", "packed_linear_int8.cpp", "fused_ops.cpp", "paged_attention.cpp")
+_SOURCES = ("packed_linear.cpp", "packed_linear_int8.cpp", "fused_ops.cpp", "paged_attention.cpp", "lora.cpp")
 
 
 def _build_dir() -> Path:

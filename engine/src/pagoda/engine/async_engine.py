@@ -42,6 +42,7 @@ class _Add:
     loop: asyncio.AbstractEventLoop
     outputs: asyncio.Queue
     admitted: asyncio.Future
+    lora_name: Optional[str] = None
 
 
 @dataclass(slots=True)
@@ -139,7 +140,13 @@ class AsyncLLMEngine:
     def is_alive(self) -> bool:
         return self._thread.is_alive() and self.error is None
 
-    def submit(self, request_id: str, prompt: Union[str, list[int]], params: SamplingParams) -> RequestStream:
+    def submit(
+        self,
+        request_id: str,
+        prompt: Union[str, list[int]],
+        params: SamplingParams,
+        lora_name: Optional[str] = None,
+    ) -> RequestStream:
         """Queue a request now and return the stream of its outputs (call on the event loop).
 
         The request counts in :attr:`num_waiting` from this call on, so an admission check followed
@@ -154,7 +161,7 @@ class AsyncLLMEngine:
         with self._pending_lock:
             self._num_pending_adds += 1
             self._num_pending_seqs += params.n
-        self._inbox.put(_Add(request_id, prompt, params, loop, outputs, admitted))
+        self._inbox.put(_Add(request_id, prompt, params, loop, outputs, admitted, lora_name))
         return RequestStream(self, request_id, outputs, admitted)
 
     async def generate(
@@ -223,7 +230,7 @@ class AsyncLLMEngine:
 
     def _add(self, command: _Add) -> None:
         try:
-            self.engine.add_request(command.request_id, command.prompt, command.params)
+            self.engine.add_request(command.request_id, command.prompt, command.params, lora_name=command.lora_name)
         except ValueError as exc:  # the request is invalid: the caller answers 400
             _call_soon(command.loop, _set_exception, command.admitted, exc)
             return

@@ -18,8 +18,10 @@ from pagoda.config import EngineArgs, SchedulerConfig
 from pagoda.core.kv_cache_manager import KVCacheManager
 from pagoda.core.scheduler import Scheduler
 from pagoda.cpu import keep_freed_memory
+from pagoda.engine.lora_requests import LoRAEngineMixin
 from pagoda.engine.output_processor import OutputProcessor
 from pagoda.layers.linear_kernels import validate_quantization
+from pagoda.lora.manager import LoRASettings
 from pagoda.model_config import ModelConfig, resolve_dtype
 from pagoda.outputs import RequestOutput
 from pagoda.request import Request, RequestStatus, sequence_id
@@ -53,9 +55,11 @@ class EngineStats:
     num_chunked_prefill_steps: int
     num_blocks: int
     block_size: int
+    running_lora_adapters: tuple[str, ...] = ()  # names of the adapters of running requests
+    waiting_lora_adapters: tuple[str, ...] = ()
 
 
-class LLMEngine:
+class LLMEngine(LoRAEngineMixin):
     """Loads a model, sizes the KV cache, and drives scheduler + model runner step by step."""
 
     def __init__(self, args: EngineArgs) -> None:
@@ -75,8 +79,13 @@ class LLMEngine:
         torch.manual_seed(args.seed)
         backend = resolve_attention_backend(args.attention_backend, self.device)
         logger.info("attention backend: %s (%s)", backend, args.attention_backend)
+        lora = (
+            LoRASettings(args.max_loras, args.max_lora_rank, args.max_cpu_loras, args.download_dir)
+            if args.enable_lora
+            else None
+        )
         self.runner = ModelRunner(
-            self.model_config, model_path, self.dtype, self.device, backend, quantization=args.quantization
+            self.model_config, model_path, self.dtype, self.device, backend, quantization=args.quantization, lora=lora
         )
         shape = self.runner.kv_cache_shape(args.block_size)
         if self.device.type == "cpu":
@@ -121,10 +130,11 @@ class LLMEngine:
         prompt: Union[None, str, list[int]],
         params: SamplingParams,
         arrival_time: Optional[float] = None,
-        lora_id: Optional[int] = None,
+        lora_name: Optional[str] = None,
         cache_salt: Optional[str] = None,
     ) -> Request:
-        """Validate and queue a request; raises ValueError for anything the engine cannot serve.
+        """Validate and queue a request; raises ValueError for anything the engine cannot serve
+        (:class:`UnknownLoRAError` for a ``lora_name`` that is not loaded).
 
         Everything that can fail runs before the request is registered anywhere, so a refused request
         leaves no state behind.
@@ -138,6 +148,7 @@ class LLMEngine:
         text = prompt if isinstance(prompt, str) else None
         prompt_ids = encode_prompt(self.tokenizer, prompt) if isinstance(prompt, str) else _token_ids(prompt)
         self.check_request(prompt_ids, params)
+        lora_id = self.lora_id(lora_name)
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(prompt_ids)
         generators = self._generators(params)
         request = Request(
@@ -181,6 +192,8 @@ class LLMEngine:
         final output with ``error`` set; the other requests of the step carry on.
         """
         grammar_failures = self._poll_grammars()
+        if self.runner.lora is not None:  # weights of unloaded adapters go once no request uses them
+            self.runner.lora.release_unused({r.lora_id for r in self.scheduler.requests.values()} - {None})
         plan = self.scheduler.schedule()
         self.last_step_num_tokens = plan.num_batched_tokens
         if plan.is_empty:
@@ -190,6 +203,9 @@ class LLMEngine:
             # start-up guarantees one max-length sequence fits, so work can always progress
             assert not self.scheduler.has_unfinished_requests(), "scheduler made no progress"
             return grammar_failures
+        lora_failures = self._fetch_adapters(plan) if self.runner.lora is not None else []
+        if plan.is_empty:
+            return grammar_failures + lora_failures
         result = self.runner.execute(plan)
         failed = {self._external_id(seq_id): message for seq_id, message in result.errors.items()}
         updated = self.scheduler.update_from_output(plan, result)
@@ -205,7 +221,7 @@ class LLMEngine:
             output = self.fail_request(external_id, message)
             if output is not None:
                 outputs.append(output)
-        return grammar_failures + outputs
+        return grammar_failures + lora_failures + outputs
 
     # ---- structured outputs ----------------------------------------------------------------
 
@@ -274,6 +290,8 @@ class LLMEngine:
             num_chunked_prefill_steps=self.scheduler.num_chunked_prefill_steps,
             num_blocks=kv.pool.num_blocks,
             block_size=kv.block_size,
+            running_lora_adapters=self._adapter_names(self.scheduler.running),
+            waiting_lora_adapters=self._adapter_names(self.scheduler.waiting),
         )
 
     def kv_slot_usage(self) -> tuple[int, int]:

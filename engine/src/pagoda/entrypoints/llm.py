@@ -11,6 +11,8 @@ from tqdm.auto import tqdm
 
 from pagoda.config import EngineArgs
 from pagoda.engine.llm_engine import LLMEngine
+from pagoda.lora import LoRARequest
+from pagoda.lora.sources import LoRAModule
 from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import RequestOutputKind, SamplingParams
 from pagoda.tokenizer import apply_chat_template
@@ -48,15 +50,31 @@ class LLM:
         prompts: Union[PromptType, Sequence[PromptType]],
         sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
         use_tqdm: bool = True,
+        lora_request: Union[None, LoRARequest, Sequence[Optional[LoRARequest]]] = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in the order of the prompts.
 
         A prompt is a string, a list of token ids, or ``{"prompt": ...}`` /
-        ``{"prompt_token_ids": [...]}``.
+        ``{"prompt_token_ids": [...]}``. ``lora_request``: the adapter of every prompt, or one per prompt (None:
+        the base model); an adapter not loaded yet is loaded from its ``lora_path`` first.
         """
         batch = _as_prompt_list(prompts)
         params = self._params_list(sampling_params, len(batch))
-        return self._run([_prompt_value(p) for p in batch], params, use_tqdm)
+        adapters = self._adapters(lora_request, len(batch))
+        return self._run([_prompt_value(p) for p in batch], params, use_tqdm, adapters)
+
+    def _adapters(
+        self, lora_request: Union[None, LoRARequest, Sequence[Optional[LoRARequest]]], count: int
+    ) -> list[Optional[str]]:
+        requests = [lora_request] * count if not isinstance(lora_request, (list, tuple)) else list(lora_request)
+        if len(requests) != count:
+            raise ValueError(f"got {len(requests)} LoRA requests for {count} prompts")
+        for request in {r for r in requests if r is not None}:
+            if self.engine.lora_id_or_none(request.lora_name) is None:
+                if request.lora_path is None:
+                    raise ValueError(f"LoRA adapter {request.lora_name!r} is not loaded and has no lora_path")
+                self.engine.add_lora(LoRAModule(request.lora_name, request.lora_path))
+        return [r.lora_name if r is not None else None for r in requests]
 
     def chat(
         self,
@@ -101,7 +119,13 @@ class LLM:
             raise ValueError(f"got {len(sampling_params)} sampling params for {count} prompts")
         return list(sampling_params)
 
-    def _run(self, prompts: list, params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(
+        self,
+        prompts: list,
+        params: list[SamplingParams],
+        use_tqdm: bool,
+        adapters: Optional[list[Optional[str]]] = None,
+    ) -> list[RequestOutput]:
         engine = self.engine
         order: dict[str, int] = {}
         results: list[Optional[RequestOutput]] = [None] * len(prompts)
@@ -111,7 +135,7 @@ class LLM:
         try:
             for i, (prompt, p) in enumerate(zip(prompts, params)):
                 request_id = str(next(self._ids))
-                engine.add_request(request_id, prompt, _final_only(p))
+                engine.add_request(request_id, prompt, _final_only(p), lora_name=adapters[i] if adapters else None)
                 order[request_id] = i
             bar = tqdm(total=len(prompts), desc="Generating", unit="req", disable=not use_tqdm or len(prompts) < 2)
             with bar:

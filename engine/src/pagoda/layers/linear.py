@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Optional, Protocol
+from typing import Any, Optional, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -49,6 +49,8 @@ class Linear(nn.Module):
             nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
         )
         self.kernel: Optional[LinearKernel] = None
+        # The adapters' slots when LoRA is on (a pagoda.lora.layers.LinearLoRA): their delta is added to the output.
+        self.lora: Optional[Any] = None
 
     def set_kernel(self, kernel: LinearKernel) -> None:
         """Multiply with ``kernel`` from now on and drop this layer's reference to the plain weight
@@ -57,9 +59,10 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [num_tokens, in] -> [num_tokens, out]
-        if self.kernel is not None:
-            return self.kernel(x)
-        return F.linear(x, self.weight, self.bias)
+        out = self.kernel(x) if self.kernel is not None else F.linear(x, self.weight, self.bias)
+        if self.lora is not None:
+            self.lora.add_to(out, x)  # the step's adapters, on their rows
+        return out
 
     def forward_float32(self, x: torch.Tensor) -> torch.Tensor:
         """``forward(x).float()``: the output rounded to the layer's dtype, then widened (logits, as in HF).
@@ -107,6 +110,8 @@ class MergedLinear(Linear):
     def forward_silu_and_mul(self, x: torch.Tensor) -> Optional[torch.Tensor]:
         """``silu(gate) * up`` in one pass when the kernel has that epilogue for ``x`` (see
         :class:`~pagoda.layers.linear_kernels.NativeGatedBf16Linear`); None otherwise."""
+        if self.lora is not None and self.lora.active(x.shape[0]):
+            return None  # the adapters' delta goes in before the activation
         fused = getattr(self.kernel, "silu_and_mul", None) if self.gated else None
         return None if fused is None else fused(x)  # x: [num_tokens, in] -> [num_tokens, intermediate]
 

@@ -12,6 +12,7 @@ import torch
 from pagoda.core.scheduler_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from pagoda.layers.linear_kernels import prepare_linear_layers
 from pagoda.loader import load_model
+from pagoda.lora.manager import LoRAManager, LoRASettings
 from pagoda.model_config import ModelConfig
 from pagoda.request import Request
 from pagoda.worker.attention import (
@@ -56,6 +57,7 @@ class ModelRunner:
         device: torch.device,
         attention_backend: str = "torch",
         quantization: Optional[str] = None,
+        lora: Optional[LoRASettings] = None,
     ) -> None:
         """``attention_backend`` is a resolved name, 'torch' or 'triton' (see ``resolve_attention_backend``)."""
         self.model_config = model_config
@@ -68,6 +70,11 @@ class ModelRunner:
         self.cuda_graphs: Optional[DecodeCudaGraphs] = None
         self.model = load_model(model_path, self.attn_backend, dtype, device, model_config)
         self.linear_kernels = prepare_linear_layers(self.model, device, dtype, quantization)
+        self.lora: Optional[LoRAManager] = None
+        if lora is not None:
+            self.lora = LoRAManager(
+                self.model, lora.max_loras, lora.max_rank, lora.max_cpu_loras, dtype, device, lora.download_dir
+            )
         self.sampler = Sampler()
         self.kv_caches: list[torch.Tensor] = []
         self.kv_shape: KVCacheShape | None = None
@@ -88,8 +95,17 @@ class ModelRunner:
     def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
         """Run the model over every scheduled token and sample where a sequence reaches its end."""
         self._copy_blocks(plan.block_copies)
-        inputs = self._prepare_inputs(plan.scheduled)
-        hidden = self._forward(inputs)
+        scheduled = plan.scheduled
+        if self.lora is not None:  # each adapter's rows in one run
+            scheduled = sorted(scheduled, key=lambda s: self.lora.slot_order(s.request.lora_id))
+        inputs = self._prepare_inputs(scheduled)
+        if self.lora is not None:
+            self.lora.prepare_step(*_lora_runs(scheduled, inputs))
+        try:
+            hidden = self._forward(inputs)
+        finally:
+            if self.lora is not None:
+                self.lora.clear_step()
         out = ModelRunnerOutput()
         self._prompt_logprobs(hidden, inputs, out)
         if not inputs.sample_requests:
@@ -172,7 +188,13 @@ class ModelRunner:
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
         """Hidden states [num_tokens, hidden] (or of ``output_rows``): a graph replay for a pure-decode step, else
         an eager forward. Pure decode samples every row, so graphs never see ``output_rows``."""
-        if self.cuda_graphs is not None and inputs.output_rows is None and self.cuda_graphs.can_run(inputs.meta):
+        with_adapters = self.lora is not None and self.lora.context.full is not None  # graphs hold no adapter rows
+        if (
+            self.cuda_graphs is not None
+            and inputs.output_rows is None
+            and not with_adapters
+            and self.cuda_graphs.can_run(inputs.meta)
+        ):
             return self.cuda_graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
         self.attn_backend.prepare(inputs.meta)
         return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, inputs.output_rows)
@@ -216,6 +238,29 @@ class ModelRunner:
         hidden = self.model(input_ids, positions, scratch, meta)
         self.model.compute_logits(hidden[-1:])
         del scratch, hidden
+
+
+def _lora_runs(scheduled: list[ScheduledRequest], inputs: StepInputs) -> tuple[list, Optional[list]]:
+    """(lora id, first row, end row) runs over the flat batch, and over the rows the last layer keeps (None: all).
+    ``scheduled`` is grouped by adapter, so consecutive equal ids merge into one run."""
+    runs: list[list] = []
+    row = 0
+    for item in scheduled:
+        _extend_run(runs, item.request.lora_id, row, row + item.num_tokens)
+        row += item.num_tokens
+    kept: Optional[list[list]] = None
+    if inputs.output_rows is not None:
+        kept = []
+        for index, request in enumerate(inputs.sample_requests):
+            _extend_run(kept, request.lora_id, index, index + 1)
+    return [tuple(r) for r in runs], None if kept is None else [tuple(r) for r in kept]
+
+
+def _extend_run(runs: list[list], lora_id: Optional[int], start: int, end: int) -> None:
+    if runs and runs[-1][0] == lora_id and runs[-1][2] == start:
+        runs[-1][2] = end
+    else:
+        runs.append([lora_id, start, end])
 
 
 def _sequence_generators(request: Request) -> list:

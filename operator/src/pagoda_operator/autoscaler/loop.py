@@ -19,8 +19,9 @@ import kopf
 from pagoda_operator.autoscaler.algorithm import Decision, PodSample, decide, from_status, to_status
 from pagoda_operator.autoscaler.scrape import scrape
 from pagoda_operator.builders import Owner, selector_labels
-from pagoda_operator.constants import AUTOSCALER_FIELD_MANAGER, ENGINE_PORT
+from pagoda_operator.constants import AUTOSCALER_FIELD_MANAGER
 from pagoda_operator.kube import KubeClient, object_path
+from pagoda_operator.pods import is_ready, pod_url
 from pagoda_operator.spec import InvalidSpec, ModelDeploymentSpec, parse_spec
 
 logger = logging.getLogger("pagoda_operator.autoscaler")
@@ -35,31 +36,14 @@ def builtin_enabled(body: Mapping[str, Any]) -> bool:
     return scaling.enabled and scaling.mode == "builtin"
 
 
-def _is_ready(pod: Mapping[str, Any]) -> bool:
-    status = pod.get("status") or {}
-    conditions = status.get("conditions") or []
-    ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
-    return ready and bool(status.get("podIP")) and not (pod.get("metadata") or {}).get("deletionTimestamp")
-
-
-def _metrics_port(pod: Mapping[str, Any]) -> int:
-    # The engine container's port named http, as the builders declare it; the constant for pods without one.
-    for container in (pod.get("spec") or {}).get("containers") or []:
-        for port in container.get("ports") or []:
-            if port.get("name") == "http" and port.get("containerPort"):
-                return int(port["containerPort"])
-    return ENGINE_PORT
-
-
 async def sample_pods(session: aiohttp.ClientSession, pods: list[dict[str, Any]], model_name: str) -> list[PodSample]:
     """Scrape every ready pod concurrently; not-ready pods are sampled without metrics."""
 
     async def one(pod: dict[str, Any]) -> PodSample:
         name = (pod.get("metadata") or {}).get("name", "?")
-        if not _is_ready(pod):
+        if not is_ready(pod):
             return PodSample(name=name, ready=False)
-        url = f"http://{pod['status']['podIP']}:{_metrics_port(pod)}/metrics"
-        metrics = await scrape(session, url, model_name)
+        metrics = await scrape(session, pod_url(pod, "/metrics"), model_name)
         if metrics is None:
             return PodSample(name=name, ready=True)
         return PodSample(name, True, metrics.waiting, metrics.running, metrics.kv_cache_usage)

@@ -2,6 +2,7 @@
 
 from pagoda_operator.builders.deployment import build_deployment, engine_args
 from pagoda_operator.builders.hpa import build_hpa
+from pagoda_operator.builders.lora import build_lora_config_map, lora_config_map_name
 from pagoda_operator.builders.meta import Owner, child_labels, selector_labels, selector_string
 from pagoda_operator.builders.service import build_service
 
@@ -9,9 +10,11 @@ __all__ = [
     "Owner",
     "build_deployment",
     "build_hpa",
+    "build_lora_config_map",
     "build_service",
     "child_labels",
     "engine_args",
+    "lora_config_map_name",
     "selector_labels",
     "selector_string",
 ]

@@ -3,7 +3,8 @@
 Hub and S3 models are fetched by an init container (``pagoda download``, same image) into the model cache before
 the engine starts, so the engine's startup probe never counts download time and the engine itself runs offline
 (``PAGODA_OFFLINE=1``: only the cached files). Both containers report a failure as a one-line termination message
-(``REASON: cause``), which the status turns into a ``Degraded`` reason.
+(``REASON: cause``), which the status turns into a ``Degraded`` reason. With LoRA on, the engine reads its adapter
+list from a mounted ConfigMap (see ``builders.lora``) and may download adapters at any time, so it runs online.
 
 Replicas rule (GitOps friendly): with autoscaling off, ``spec.replicas`` is part of every apply. With autoscaling
 on, the autoscaler owns ``Deployment.spec.replicas``: the builder writes replicas only when the Deployment is created
@@ -18,22 +19,16 @@ import math
 from collections.abc import Mapping
 from typing import Any, Optional
 
+from pagoda_operator.builders.lora import lora_args, lora_volume
 from pagoda_operator.builders.meta import Owner, child_labels, child_metadata, selector_labels
+from pagoda_operator.builders.sources import PVC_MOUNT_ROOT, source_argument
 from pagoda_operator.constants import ENGINE_PORT, PRESTOP_SLEEP_SECONDS
-from pagoda_operator.spec import ModelDeploymentSpec, ModelSource
+from pagoda_operator.spec import ModelDeploymentSpec
 
 CACHE_MOUNT = "/var/cache/pagoda"
-PVC_MOUNT_ROOT = "/mnt/pvc"
 CHAT_TEMPLATE_MOUNT = "/etc/pagoda/chat-template"
 # Extra seconds past preStop + the engine's shutdown timeout before the kubelet sends SIGKILL.
 GRACE_MARGIN_SECONDS = 10
-
-
-def source_argument(source: ModelSource) -> str:
-    """The engine's view of a source: the mount path for pvc://, else the path, the Hugging Face id or the s3:// URL."""
-    if source.kind == "pvc":
-        return f"{PVC_MOUNT_ROOT}/{source.claim}/{source.value}"
-    return source.value
 
 
 def model_arguments(spec: ModelDeploymentSpec) -> list[str]:
@@ -61,12 +56,7 @@ def engine_args(spec: ModelDeploymentSpec) -> list[str]:
     if spec.gpus > 0:
         args += ["--tensor-parallel-size", str(spec.gpus)]
     _flag(args, "--quantization", spec.quantization)
-    if spec.lora_adapters:
-        args.append("--enable-lora")
-        args.append("--lora-modules")
-        args += [f"{a.name}={source_argument(a.source)}" for a in spec.lora_adapters]
-        _flag(args, "--max-loras", spec.max_loras)
-        _flag(args, "--max-lora-rank", spec.max_lora_rank)
+    args += lora_args(spec)
     template = spec.chat_template
     if template is not None:
         args += ["--chat-template", template.inline or f"{CHAT_TEMPLATE_MOUNT}/{template.config_map.key}"]
@@ -74,7 +64,7 @@ def engine_args(spec: ModelDeploymentSpec) -> list[str]:
     return args + list(spec.extra_args)
 
 
-def _volumes(spec: ModelDeploymentSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def _volumes(spec: ModelDeploymentSpec, owner: Owner) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     # shm: PyTorch and NCCL use /dev/shm, whose container default (64Mi) is far too small.
     volumes: list[dict[str, Any]] = [{"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": spec.shm_size}}]
     mounts: list[dict[str, Any]] = [{"name": "shm", "mountPath": "/dev/shm"}]
@@ -95,6 +85,10 @@ def _volumes(spec: ModelDeploymentSpec) -> tuple[list[dict[str, Any]], list[dict
             {"name": "chat-template", "configMap": {"name": ref.name, "items": [{"key": ref.key, "path": ref.key}]}}
         )
         mounts.append({"name": "chat-template", "mountPath": CHAT_TEMPLATE_MOUNT, "readOnly": True})
+    lora = lora_volume(spec, owner)
+    if lora is not None:
+        volumes.append(lora[0])
+        mounts.append(lora[1])
     return volumes, mounts
 
 
@@ -117,8 +111,10 @@ def _source_env(spec: ModelDeploymentSpec) -> list[dict[str, Any]]:
 
 def _env(spec: ModelDeploymentSpec) -> list[dict[str, Any]]:
     env = _source_env(spec)
-    if spec.model.downloaded:
-        env.append({"name": "PAGODA_OFFLINE", "value": "1"})  # the init container fetched it: no network at start
+    if spec.model.downloaded:  # the init container fetched the model: no network for it at start
+        env.append({"name": "PAGODA_OFFLINE", "value": "1"})
+    if spec.lora_enabled:  # but the engine downloads Hub and S3 adapters itself whenever the list changes
+        env.append({"name": "PAGODA_LORA_OFFLINE", "value": "0"})
     threads = cpu_threads(spec.resources)
     user_names = {item.get("name") for item in spec.env}
     if threads is not None and "OMP_NUM_THREADS" not in user_names:
@@ -173,7 +169,7 @@ def _probe(path: str, period: int, failures: int) -> dict[str, Any]:
 _SECURITY_CONTEXT = {"allowPrivilegeEscalation": False, "runAsNonRoot": True, "capabilities": {"drop": ["ALL"]}}
 
 
-def _container(spec: ModelDeploymentSpec) -> dict[str, Any]:
+def _container(spec: ModelDeploymentSpec, owner: Owner) -> dict[str, Any]:
     container = {
         "name": "engine",
         "image": spec.image,
@@ -183,7 +179,7 @@ def _container(spec: ModelDeploymentSpec) -> dict[str, Any]:
         "env": _env(spec),
         "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}],
         "resources": _resources(spec),
-        "volumeMounts": _volumes(spec)[1],
+        "volumeMounts": _volumes(spec, owner)[1],
         # Loading a large model may take many minutes: the startup probe allows 30 of them before liveness counts.
         "startupProbe": _probe("/ready", 10, 180),
         "readinessProbe": _probe("/ready", 5, 3),
@@ -220,14 +216,14 @@ def _download_container(spec: ModelDeploymentSpec) -> dict[str, Any]:
     return container
 
 
-def _pod_spec(spec: ModelDeploymentSpec) -> dict[str, Any]:
+def _pod_spec(spec: ModelDeploymentSpec, owner: Owner) -> dict[str, Any]:
     tolerations = [dict(t) for t in spec.tolerations]
     if spec.gpus > 0 and not any(t.get("key") == "nvidia.com/gpu" for t in tolerations):
         tolerations.append({"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"})
     pod: dict[str, Any] = {
-        "containers": [_container(spec)],
+        "containers": [_container(spec, owner)],
         **({"initContainers": [_download_container(spec)]} if spec.model.downloaded else {}),
-        "volumes": _volumes(spec)[0],
+        "volumes": _volumes(spec, owner)[0],
         "terminationGracePeriodSeconds": PRESTOP_SLEEP_SECONDS + spec.shutdown_timeout_seconds + GRACE_MARGIN_SECONDS,
         "securityContext": {
             "runAsNonRoot": True,
@@ -255,7 +251,7 @@ def build_deployment(spec: ModelDeploymentSpec, owner: Owner, *, include_replica
             "type": "RollingUpdate",
             "rollingUpdate": {"maxSurge": 0 if spec.gpus else 1, "maxUnavailable": 1 if spec.gpus else 0},
         },
-        "template": {"metadata": {"labels": child_labels(owner)}, "spec": _pod_spec(spec)},
+        "template": {"metadata": {"labels": child_labels(owner)}, "spec": _pod_spec(spec, owner)},
     }
     if spec.autoscaling.enabled:
         if include_replicas:

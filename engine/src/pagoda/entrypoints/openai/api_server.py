@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Optional
 
 import uvicorn
@@ -30,7 +31,7 @@ import pagoda
 from pagoda.config import EngineArgs
 from pagoda.engine.async_engine import AsyncLLMEngine
 from pagoda.engine.llm_engine import LLMEngine
-from pagoda.entrypoints.openai.auth import ApiKeyMiddleware
+from pagoda.entrypoints.openai.auth import DEFAULT_EXEMPT_PATHS, ApiKeyMiddleware
 from pagoda.entrypoints.openai.defaults import (
     DEFAULT_MAX_NUM_QUEUED_REQUESTS,
     DEFAULT_POOL_SIZE,
@@ -40,6 +41,7 @@ from pagoda.entrypoints.openai.defaults import (
 from pagoda.entrypoints.openai.errors import install_error_handlers, not_found_model, service_unavailable
 from pagoda.entrypoints.openai.http_guards import BodyLimitMiddleware, RequestIdMiddleware, header_timeout_protocol
 from pagoda.entrypoints.openai.limits import AdmissionControl, RequestChecker, ServerLimits
+from pagoda.entrypoints.openai.lora_serving import LoRAAdapters, LoRAFileWatcher, add_lora_routes
 from pagoda.entrypoints.openai.openapi import install_openapi, route_responses
 from pagoda.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -52,11 +54,14 @@ from pagoda.entrypoints.openai.serving import OpenAIServing
 from pagoda.entrypoints.openai.serving_chat import ChatOptions
 from pagoda.entrypoints.openai.tokenizer_pool import TokenizerPool, TokenizerSpec
 from pagoda.entrypoints.openai.tool_parsers import get_tool_parser
+from pagoda.lora.sources import LoRAModule
 from pagoda.metrics import EngineMetrics
 from pagoda.startup_failure import report_startup_failure
 
 logger = logging.getLogger(__name__)
 
+# Probes and the operator's reads need no key: /metrics (autoscaler) and /lora_adapters (adapter status).
+AUTH_EXEMPT_PATHS = DEFAULT_EXEMPT_PATHS | {"/lora_adapters"}
 _TRACKED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
 
 
@@ -79,6 +84,10 @@ class ServerConfig:
     enable_auto_tool_choice: bool = False
     tool_call_parser: Optional[str] = None  # hermes | llama3_json | mistral
     reasoning_parser: Optional[str] = None  # qwen3 | deepseek_r1
+    lora_modules: tuple[LoRAModule, ...] = ()  # served from the start (needs engine_args.enable_lora)
+    lora_modules_file: Optional[str] = None  # a watched adapter list (see lora_serving)
+    lora_modules_poll_seconds: float = 5.0
+    allow_runtime_lora_updates: bool = False  # the load/unload endpoints
 
 
 # What clients are told when loading failed or the engine stopped; the cause is in the log (and, for a
@@ -97,6 +106,8 @@ class ServerState:
     serving: Optional[OpenAIServing] = None
     metrics: Optional[EngineMetrics] = None
     pool: Optional[TokenizerPool] = None
+    lora: Optional[LoRAAdapters] = None
+    lora_watcher: Optional[LoRAFileWatcher] = None
     load_error: Optional[str] = None
     draining: bool = False
     in_flight: int = 0
@@ -120,8 +131,13 @@ class ServerState:
             engine = LLMEngine(args)
             stats = engine.get_stats()
             self.metrics = EngineMetrics(
-                self.model_name, stats.block_size, stats.num_blocks, max_model_len=engine.max_model_len
+                self.model_name,
+                stats.block_size,
+                stats.num_blocks,
+                max_model_len=engine.max_model_len,
+                max_loras=args.max_loras if args.enable_lora else 0,
             )
+            self._load_adapters(engine)
             starting.wait()
             metrics = self.metrics
             async_engine = AsyncLLMEngine(
@@ -152,6 +168,20 @@ class ServerState:
             if self.request_exit is not None:
                 self.request_exit(1)  # a pod that cannot load its model restarts (and says why) instead of idling
 
+    def _load_adapters(self, engine: LLMEngine) -> None:
+        """The flags' adapters (a failure fails the start) and the adapter list file, before the server is ready."""
+        if not self.config.engine_args.enable_lora:
+            return
+        self.lora = LoRAAdapters(engine)
+        for module in self.config.lora_modules:
+            self.lora.load(module, "flag")
+        if self.config.lora_modules_file:
+            self.lora_watcher = LoRAFileWatcher(
+                self.lora, Path(self.config.lora_modules_file), self.config.lora_modules_poll_seconds
+            )
+            self.lora_watcher.sync_once()
+            self.lora_watcher.start()
+
     def _engine_died(self, error: BaseException) -> None:
         """Engine thread, once: the loop failed. Every request has its 503; now exit non-zero so that
         Kubernetes restarts the pod instead of leaving it up and useless."""
@@ -168,7 +198,10 @@ class ServerState:
         if self.serving is None or self.engine is None:
             raise service_unavailable(self.load_error or "the model is still loading")
         if model is not None and model != self.model_name:
-            raise not_found_model(model, [self.model_name])
+            lora = self.engine.engine.lora
+            if lora is None or lora.lookup(model) is None:
+                adapters = [r.name for r in lora.loaded()] if lora is not None else []
+                raise not_found_model(model, [self.model_name, *adapters])
         return self.serving
 
 
@@ -199,6 +232,8 @@ def build_app(config: ServerConfig) -> FastAPI:
     async def lifespan(app: FastAPI):
         threading.Thread(target=state.load, name="pagoda-loader", daemon=True).start()
         yield
+        if state.lora_watcher is not None:
+            state.lora_watcher.stop()
         if state.engine is not None:
             state.engine.shutdown(timeout=5)
         if state.pool is not None:
@@ -212,7 +247,7 @@ def build_app(config: ServerConfig) -> FastAPI:
     app.add_middleware(_InFlight, state=state)
     limits = config.limits
     app.add_middleware(BodyLimitMiddleware, max_bytes=limits.max_request_body_bytes, timeout=limits.http_body_timeout)
-    app.add_middleware(ApiKeyMiddleware, api_keys=list(config.api_keys))
+    app.add_middleware(ApiKeyMiddleware, api_keys=list(config.api_keys), exempt_paths=AUTH_EXEMPT_PATHS)
     if config.allowed_origins:
         app.add_middleware(
             CORSMiddleware,
@@ -276,7 +311,15 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     async def models() -> dict:
         max_len = state.engine.engine.max_model_len if state.engine is not None else None
         card = {"id": state.model_name, "object": "model", "created": int(state.started), "owned_by": "pagoda"}
-        return {"object": "list", "data": [{**card, "root": state.model_name, "max_model_len": max_len}]}
+        cards = [{**card, "root": state.model_name, "parent": None, "max_model_len": max_len}]
+        lora = state.engine.engine.lora if state.engine is not None else None
+        for record in lora.loaded() if lora is not None else []:
+            adapter = {"id": record.name, "object": "model", "created": record.created, "owned_by": "pagoda"}
+            cards.append({**adapter, "root": record.path, "parent": state.model_name, "max_model_len": max_len})
+        return {"object": "list", "data": cards}
+
+    config = state.config
+    add_lora_routes(app, lambda: state.lora, config.engine_args.enable_lora, config.allow_runtime_lora_updates, route)
 
     @route("post", "/v1/completions")
     async def completions(body: CompletionRequest, raw: Request) -> Response:

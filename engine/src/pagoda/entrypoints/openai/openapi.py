@@ -210,6 +210,7 @@ _BODY = {
     408: _error("The request body did not arrive within --http-body-timeout"),
     413: _error("The request body is larger than --max-request-body-bytes"),
 }
+_TEXT = {"content": {"text/plain": {"schema": {"type": "string"}}}, "description": "Done"}
 _ENGINE = {
     404: _error("The `model` is not served here"),
     500: _error("This request failed on the server (the engine carries on)"),
@@ -234,6 +235,18 @@ def route_responses(route: str) -> dict[Union[int, str], dict[str, Any]]:
         "/health": {200: {"model": StatusResponse}, 503: _error("The model failed to load or the engine stopped")},
         "/ready": {200: {"model": StatusResponse}, 503: {"model": StatusResponse, "description": "Not ready"}},
         "/metrics": {200: {"content": {"text/plain": {"schema": {"type": "string"}}}, "description": "Prometheus"}},
+        "/lora_adapters": {
+            200: {"description": "Every LoRA adapter of the server and its state"},
+            503: _error("LoRA is on and the model (with the adapter list) is still loading"),
+        },
+        "/v1/load_lora_adapter": {
+            200: _TEXT,
+            **_AUTH,
+            **_BODY,
+            **_ENGINE,
+            400: _error("The adapter cannot be served (the message names the field), or the name is taken"),
+        },
+        "/v1/unload_lora_adapter": {200: _TEXT, **_AUTH, **_BODY, **_ENGINE, 404: _error("No adapter of that name")},
     }
     return table[route]
 

@@ -24,6 +24,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from pagoda.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestFailedError, RequestStream
+from pagoda.engine.lora_requests import UnknownLoRAError
 from pagoda.entrypoints.openai.errors import (
     OpenAIError,
     bad_request,
@@ -72,6 +73,8 @@ class Sub:
     prompt_ids: list[int]
     index_base: int  # choice index = index_base + completion index
     stream: Optional[RequestStream] = None  # set by OpenAIServing.submit
+    model: str = ""  # the name responses carry: the base model's, or the adapter's
+    lora_name: Optional[str] = None  # the adapter the request runs with; None: the base model
 
 
 class OpenAIServing:
@@ -108,8 +111,9 @@ class OpenAIServing:
         with self.admission.reserve(len(prompts) * params.n):
             await self.compile_structured_output(spec, spec_field)
             prompt_ids = await self._tokenize(prompts)
+            model, lora_name = self.model_of(body.model)
             subs = [
-                Sub(self.engine_id("cmpl", request_id), p, ids, i * params.n)
+                Sub(self.engine_id("cmpl", request_id), p, ids, i * params.n, model=model, lora_name=lora_name)
                 for i, (p, ids) in enumerate(zip(prompts, prompt_ids))
             ]
             self.submit(subs, params)
@@ -140,7 +144,7 @@ class OpenAIServing:
                 "id": response_id,
                 "object": "text_completion",
                 "created": created,
-                "model": self.model_name,
+                "model": subs[0].model,
                 "choices": sorted(choices, key=lambda c: c["index"]),
                 "usage": usage(finals),
             }
@@ -149,12 +153,14 @@ class OpenAIServing:
     async def _completion_chunks(
         self, subs: list[Sub], params: SamplingParams, response_id: str, created: int, include_usage: bool, echo: bool
     ) -> AsyncIterator[dict]:
+        model = subs[0].model
+
         def chunk(index: int, text: str, c: Optional[CompletionOutput]) -> dict:
             return {
                 "id": response_id,
                 "object": "text_completion",
                 "created": created,
-                "model": self.model_name,
+                "model": model,
                 "choices": [
                     {
                         "index": index,
@@ -181,7 +187,7 @@ class OpenAIServing:
                 "id": response_id,
                 "object": "text_completion",
                 "created": created,
-                "model": self.model_name,
+                "model": model,
                 "choices": [],
                 "usage": stream_usage.body(),
             }
@@ -267,9 +273,17 @@ class OpenAIServing:
     def check_sampling(self, body: Union[CompletionRequest, ChatCompletionRequest], params: SamplingParams) -> None:
         self.checker.check_sampling(params.n, body.stop, body.stop_token_ids, body.logit_bias)
 
-    def new_sub(self, kind: str, request_id: str, prompt_ids: list[int]) -> Sub:
-        """The one engine request of a chat completion."""
-        return Sub(self.engine_id(kind, request_id), prompt_ids, prompt_ids, 0)
+    def new_sub(self, kind: str, request_id: str, prompt_ids: list[int], model: Optional[str]) -> Sub:
+        """The one engine request of a chat completion (``model``: the request's model field)."""
+        name, lora_name = self.model_of(model)
+        return Sub(self.engine_id(kind, request_id), prompt_ids, prompt_ids, 0, model=name, lora_name=lora_name)
+
+    def model_of(self, model: Optional[str]) -> tuple[str, Optional[str]]:
+        """(the name responses carry, the adapter to run with) for a request's model field, which the route has
+        checked: the base model's name (or none) runs the base model, any other name is a loaded adapter."""
+        if model is None or model == self.model_name:
+            return self.model_name, None
+        return model, model
 
     def engine_id(self, kind: str, request_id: str) -> str:
         # Unique even when clients reuse an X-Request-Id, and still found in the logs by it.
@@ -307,7 +321,7 @@ class OpenAIServing:
                 raise _engine_refusal(exc) from None
         try:
             for sub in subs:
-                sub.stream = self.engine.submit(sub.request_id, sub.prompt_ids, params)
+                sub.stream = self.engine.submit(sub.request_id, sub.prompt_ids, params, sub.lora_name)
         except EngineDeadError:
             _close(subs)
             raise service_unavailable("the engine is not running; the request was not accepted") from None
@@ -366,6 +380,8 @@ def _as_openai_error(exc: BaseException) -> BaseException:
     """The client-facing error for an engine-side failure; the details stay in the server log."""
     if isinstance(exc, OpenAIError):
         return exc
+    if isinstance(exc, UnknownLoRAError):  # unloaded between the route's check and the engine taking it
+        return OpenAIError(404, f"{exc}; it was unloaded", param="model", code="model_not_found")
     if isinstance(exc, ValueError):
         return _engine_refusal(exc)
     if isinstance(exc, RequestFailedError):

@@ -93,7 +93,7 @@ class ChatServing:
                 raise bad_request(str(exc), param="messages") from None
             except TokenizerPoolError as exc:
                 raise internal_error(str(exc)) from None
-            sub = base.new_sub("chatcmpl", request_id, prompt_ids)
+            sub = base.new_sub("chatcmpl", request_id, prompt_ids, body.model)
             base.submit([sub], params)
         await base.admitted([sub])
         response_id, created = f"chatcmpl-{request_id}", int(time.time())
@@ -121,7 +121,7 @@ class ChatServing:
                 "id": response_id,
                 "object": "chat.completion",
                 "created": created,
-                "model": base.model_name,
+                "model": sub.model,
                 "choices": choices,
                 "usage": usage([output]),
             }
@@ -171,7 +171,7 @@ class ChatServing:
                 "id": response_id,
                 "object": "chat.completion.chunk",
                 "created": created,
-                "model": self.base.model_name,
+                "model": sub.model,
                 "choices": choices,
                 **extra,
             }
