@@ -86,6 +86,13 @@ def test_embedding_targets_missing_halves_and_foreign_shapes_are_refused(adapter
 
     with pytest.raises(LoRAAdapterError, match="mlp.down_proj slice 0 has no lora_B"):
         load_adapter("bad", copy_with(adapter_dir, tmp_path / "2", tensors=without_one_b), TARGETS, 16, torch.float32)
+
+    def scalar_a(weights):
+        key = "base_model.model.model.layers.0.mlp.down_proj.lora_A.weight"
+        return {**weights, key: torch.tensor(1.0)}
+
+    with pytest.raises(LoRAAdapterError, match=r"has lora_A \(\) and lora_B"):
+        load_adapter("bad", copy_with(adapter_dir, tmp_path / "3", tensors=scalar_a), TARGETS, 16, torch.float32)
     wider = {name: (in_features * 2, slices) for name, (in_features, slices) in TARGETS.items()}
     with pytest.raises(LoRAAdapterError, match="trained on another base model"):
         load_adapter("bad", adapter_dir, wider, 16, torch.float32)

@@ -179,6 +179,33 @@ def test_adapters_dropped_from_host_memory_are_read_again_and_a_vanished_one_fai
     assert "could not be read again" in finals["r1"].error
 
 
+def test_an_adapter_in_a_slot_runs_from_the_slot_even_after_host_memory_dropped_it(case, tmp_path) -> None:
+    engine = case.llm(max_loras=2, max_cpu_loras=2).engine
+    folder = shutil.copytree(case.adapters[0], tmp_path / "a0")
+    engine.add_lora(LoRAModule("a0", str(folder)))
+    engine.add_request("first", case.prompts[0], GREEDY, lora_name="a0")
+    while engine.has_unfinished_requests():
+        engine.step()
+    for k in (1, 2):  # two more adapters push a0 out of host memory; it keeps its device slot
+        engine.add_lora(LoRAModule(f"a{k}", str(case.adapters[k])))
+    shutil.rmtree(folder)
+    engine.add_request("second", case.prompts[1], GREEDY, lora_name="a0")
+    finals = []
+    while engine.has_unfinished_requests():
+        finals += [o for o in engine.step() if o.finished]
+    assert finals[0].error is None and finals[0].outputs[0].token_ids == case.expected[0][1]
+
+
+def test_replacing_an_adapter_swaps_the_name_once_the_new_one_is_read(case) -> None:
+    engine = case.llm().engine
+    engine.add_lora(LoRAModule("x", str(case.adapters[0])))
+    with pytest.raises(ValueError, match="already loaded"):
+        engine.add_lora(LoRAModule("x", str(case.adapters[1])))
+    old = engine.lora_id("x")
+    engine.add_lora(LoRAModule("x", str(case.adapters[1])), replace=True)
+    assert engine.lora_id("x") != old and [r.name for r in engine.lora.loaded()] == ["x"]
+
+
 def test_requests_for_an_unknown_adapter_or_without_lora_are_refused(case: Case) -> None:
     with pytest.raises(UnknownLoRAError):
         case.llm().engine.add_request("x", [5, 6], GREEDY, lora_name="nope")

@@ -108,6 +108,20 @@ def test_adapters_load_and_unload_at_runtime(server, adapters, expected) -> None
     assert status == 404 and body["error"]["param"] == "lora_name"
 
 
+def test_a_failed_replacement_leaves_the_old_adapter_serving(server, adapters, expected) -> None:
+    body = {"lora_name": "tales", "lora_path": str(adapters["broken"]), "load_inplace": True}
+    status, _, error = server.request("POST", "/v1/load_lora_adapter", body)
+    assert status == 400 and "use_dora" in error["error"]["message"]
+    assert complete(server, "tales").choices[0].text == expected["tales"]
+    body = {"lora_name": "tales", "lora_path": str(adapters["songs"]), "load_inplace": True}
+    assert server.request("POST", "/v1/load_lora_adapter", body)[0] == 200
+    assert complete(server, "tales").choices[0].text == expected["songs"]
+    body = {"lora_name": "tales", "lora_path": str(adapters["tales"]), "load_inplace": True}
+    assert server.request("POST", "/v1/load_lora_adapter", body)[0] == 200
+    status, _, error = server.request("POST", "/v1/load_lora_adapter", {"lora_name": BASE, "lora_path": "/x"})
+    assert status == 400 and "served model's name" in error["error"]["message"]
+
+
 def test_a_malformed_or_missing_adapter_is_a_400_naming_the_problem(server, adapters) -> None:
     status, _, body = server.request(
         "POST", "/v1/load_lora_adapter", {"lora_name": "broken", "lora_path": str(adapters["broken"])}
@@ -138,6 +152,8 @@ def test_the_watched_list_loads_reports_and_unloads_adapters(server, adapters, e
     assert wait_for_state(server, "poems", "loaded")["origin"] == "file"
     assert "use_dora" in wait_for_state(server, "bad", "failed")["error"]
     assert complete(server, "poems").choices[0].text == expected["poems"]
+    status, _, error = server.request("POST", "/v1/unload_lora_adapter", {"lora_name": "poems"})
+    assert status == 400 and "adapter list file" in error["error"]["message"]  # the file owns it
     server.listing.write_text("[{not json")  # a broken list changes nothing
     time.sleep(0.6)
     assert complete(server, "poems").choices[0].text == expected["poems"]

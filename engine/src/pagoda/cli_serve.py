@@ -46,6 +46,8 @@ def run_serve(ns: argparse.Namespace) -> int:
         raise ValueError("--max-num-queued-requests must be at least 1")
     if config.enable_auto_tool_choice and config.tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+    if config.lora_modules_poll_seconds <= 0:
+        raise ValueError("--lora-modules-poll-seconds must be greater than 0")
     if config.tokenizer_pool_size < 1:
         raise ValueError("--tokenizer-pool-size must be at least 1")
     return run_server(config, ns.log_level)

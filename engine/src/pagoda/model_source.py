@@ -124,11 +124,12 @@ def resolve_model(
     download_dir: Optional[str] = None,
     offline: Optional[bool] = None,
     builtin: Optional[Path] = None,
+    marker: str = "config.json",
 ) -> Path:
     """The local folder holding the model's files, downloading them first when needed.
 
     ``builtin`` is the folder of the built-in model (for a missing ``text``); ``offline`` defaults to
-    :func:`offline_mode`.
+    :func:`offline_mode`; ``marker`` is the file a download must bring (``adapter_config.json`` for a LoRA adapter).
     """
     source = parse_model_source(text)
     if source.kind == "builtin":
@@ -140,10 +141,10 @@ def resolve_model(
     if source.kind == "local":
         return Path(source.value)
     if source.kind == "hf":
-        return _download_hf(source.value, revision, download_dir, offline)
+        return _download_hf(source.value, revision, download_dir, offline, marker)
     from pagoda.model_source_s3 import download_s3  # boto3 is imported only for S3 models
 
-    return download_s3(source, _s3_root(download_dir), offline)
+    return download_s3(source, _s3_root(download_dir), offline, marker)
 
 
 def _s3_root(download_dir: Optional[str]) -> Path:
@@ -153,7 +154,9 @@ def _s3_root(download_dir: Optional[str]) -> Path:
     return Path(cache) / "models" if cache else Path.home() / ".cache" / "pagoda" / "models"
 
 
-def _download_hf(repo_id: str, revision: Optional[str], download_dir: Optional[str], offline: bool) -> Path:
+def _download_hf(
+    repo_id: str, revision: Optional[str], download_dir: Optional[str], offline: bool, marker: str = "config.json"
+) -> Path:
     import huggingface_hub
     from huggingface_hub import errors as hf_errors
 
@@ -188,8 +191,9 @@ def _download_hf(repo_id: str, revision: Optional[str], download_dir: Optional[s
     except Exception as exc:  # the HTTP client's own errors (a connection lost mid-file, a timeout)
         raise ModelSourceError(DOWNLOAD_FAILED, repo_id, f"the download failed: {type(exc).__name__}: {exc}") from None
     path = Path(folder)
-    if not (path / "config.json").is_file():
-        raise ModelSourceError(MODEL_NOT_FOUND, repo_id, "the repository has no config.json: not a model")
+    if not (path / marker).is_file():
+        what = "a model" if marker == "config.json" else "an adapter"
+        raise ModelSourceError(MODEL_NOT_FOUND, repo_id, f"the repository has no {marker}: not {what}")
     return path
 
 

@@ -43,8 +43,9 @@ _DENIED = frozenset({"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatc
 _MISSING = frozenset({"NoSuchBucket", "NoSuchKey", "404"})
 
 
-def download_s3(source: ModelSource, root: Path, offline: bool) -> Path:
-    """The local folder of ``source``'s files, fetched first unless a complete copy is there."""
+def download_s3(source: ModelSource, root: Path, offline: bool, marker: str = "config.json") -> Path:
+    """The local folder of ``source``'s files, fetched first unless a complete copy is there; ``marker`` is the
+    file the prefix must hold (``config.json`` for a model, ``adapter_config.json`` for a LoRA adapter)."""
     url = f"s3://{source.value}"
     folder = root / "s3" / source.bucket / source.prefix
     if read_completion_marker(folder) is not None and offline:
@@ -54,7 +55,7 @@ def download_s3(source: ModelSource, root: Path, offline: bool) -> Path:
     try:
         folder.mkdir(parents=True, exist_ok=True)
         with FileLock(str(folder / ".pagoda-download.lock")):
-            _download(source, folder, url)
+            _download(source, folder, url, marker)
     except botocore.exceptions.NoCredentialsError:
         cause = "no S3 credentials (set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY)"
         raise ModelSourceError(UNAUTHORIZED, url, cause) from None
@@ -67,11 +68,12 @@ def download_s3(source: ModelSource, root: Path, offline: bool) -> Path:
     return folder
 
 
-def _download(source: ModelSource, folder: Path, url: str) -> None:
+def _download(source: ModelSource, folder: Path, url: str, marker: str) -> None:
     client = boto3.client("s3")
     objects = _list(client, source)
-    if "config.json" not in objects:
-        raise ModelSourceError(MODEL_NOT_FOUND, url, "no config.json under this prefix: not a model")
+    if marker not in objects:
+        what = "a model" if marker == "config.json" else "an adapter"
+        raise ModelSourceError(MODEL_NOT_FOUND, url, f"no {marker} under this prefix: not {what}")
     (folder / _S3_COMPLETE).unlink(missing_ok=True)  # from here until the end the folder is not complete
     fetched = _read_json(folder / _S3_FILES)  # what earlier (maybe interrupted) downloads finished
     todo = {name: info for name, info in objects.items() if not _have(folder, name, info, fetched)}

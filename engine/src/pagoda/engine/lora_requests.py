@@ -39,10 +39,11 @@ class LoRAEngineMixin:
         """The adapters this engine serves; None without ``enable_lora``."""
         return self.runner.lora
 
-    def add_lora(self, module: LoRAModule) -> LoRARecord:
+    def add_lora(self, module: LoRAModule, replace: bool = False) -> LoRARecord:
         """Load an adapter and serve it under ``module.name`` (any thread; seconds for a download). ValueError
-        when it cannot be served."""
-        return self._lora_manager().load(module)
+        when it cannot be served. ``replace``: an adapter of that name is swapped out once the new one is read
+        (its running requests finish on the old weights)."""
+        return self._lora_manager().load(module, replace=replace)
 
     def remove_lora(self, name: str) -> LoRARecord:
         """Stop serving adapter ``name`` (UnknownLoRAError if it is not loaded); running requests finish on it."""

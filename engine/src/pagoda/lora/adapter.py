@@ -178,7 +178,8 @@ def _check_pair(
         raise LoRAAdapterError(f"LoRA adapter {name!r}: {module} slice {part} has no lora_{missing} weight")
     a, b = tensors["A"], tensors["B"]
     in_features, slices = target
-    expected_a, expected_b = (a.shape[0], in_features), (slices[part], a.shape[0])
+    expected_a = (a.shape[0] if a.dim() == 2 else "r", in_features)
+    expected_b = (slices[part], a.shape[0] if a.dim() == 2 else "r")
     if a.dim() != 2 or b.dim() != 2 or tuple(a.shape) != expected_a or tuple(b.shape) != expected_b:
         raise LoRAAdapterError(
             f"LoRA adapter {name!r}: {module} slice {part} has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}; "

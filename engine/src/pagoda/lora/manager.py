@@ -90,18 +90,19 @@ class LoRAManager:
 
     # ---- registry (any thread) ------------------------------------------------------------
 
-    def load(self, module: LoRAModule) -> LoRARecord:
+    def load(self, module: LoRAModule, replace: bool = False) -> LoRARecord:
         """Download (if remote), read and check an adapter, then serve it under ``module.name``.
 
-        ValueError (a LoRAAdapterError or ModelSourceError) when it cannot be served or the name is taken."""
+        ValueError (a LoRAAdapterError or ModelSourceError) when it cannot be served or the name is taken (unless
+        ``replace``: the name then moves to the new adapter once it is read; the old one serves until then)."""
         with self._lock:
-            if module.name in self._by_name:
+            if module.name in self._by_name and not replace:
                 raise ValueError(f"LoRA adapter {module.name!r} is already loaded; unload it first")
         started = time.monotonic()
         folder = resolve_adapter_path(module.path, self.download_dir)
         adapter = load_adapter(module.name, folder, self.targets, self.max_rank, self.dtype)
         with self._lock:
-            if module.name in self._by_name:
+            if module.name in self._by_name and not replace:
                 raise ValueError(f"LoRA adapter {module.name!r} is already loaded; unload it first")
             record = LoRARecord(
                 next(self._ids),
@@ -160,12 +161,14 @@ class LoRAManager:
                 self._slot_lru.move_to_end(slot, last=False)  # reused first
 
     def fetch(self, lora_ids: set[int]) -> dict[int, str]:
-        """Have every adapter of a step in host memory (reading dropped ones again from disk) and hold them for
-        the step's slot changes; returns the ids that could not be read, with why. Their requests must fail: the
-        step cannot run them."""
+        """Have every adapter of a step that is not in a slot in host memory (reading dropped ones again from disk)
+        and hold them for the step's slot changes; returns the ids that could not be read, with why. Their
+        requests must fail: the step cannot run them."""
         failed: dict[int, str] = {}
         self._step_adapters = {}
         for lora_id in lora_ids:
+            if lora_id in self._slot_of:  # in a slot already: its weights are on the device
+                continue
             with self._lock:
                 adapter = self._host.get(lora_id)
                 if adapter is not None:

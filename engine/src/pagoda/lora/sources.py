@@ -111,4 +111,4 @@ def resolve_adapter_path(path: str, download_dir: Optional[str] = None) -> Path:
     """The adapter's local folder, downloading a remote one first (a ModelSourceError, a ValueError, says why)."""
     from pagoda.model_source import resolve_model
 
-    return resolve_model(path, None, download_dir, offline=adapters_offline())
+    return resolve_model(path, None, download_dir, offline=adapters_offline(), marker="adapter_config.json")

@@ -172,7 +172,7 @@ class ServerState:
         """The flags' adapters (a failure fails the start) and the adapter list file, before the server is ready."""
         if not self.config.engine_args.enable_lora:
             return
-        self.lora = LoRAAdapters(engine)
+        self.lora = LoRAAdapters(engine, reserved_names=frozenset({self.model_name}))
         for module in self.config.lora_modules:
             self.lora.load(module, "flag")
         if self.config.lora_modules_file:

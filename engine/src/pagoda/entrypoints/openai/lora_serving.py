@@ -51,48 +51,63 @@ class AdapterState:
 
 
 class LoRAAdapters:
-    """The server's adapters over the engine's registry; thread-safe (routes, the file watcher)."""
+    """The server's adapters over the engine's registry; thread-safe (routes, the file watcher).
 
-    def __init__(self, engine: LLMEngine) -> None:
+    Each name belongs to the origin that loaded it: the file's adapters change only through the file (an API call
+    that would replace or unload one is refused), and the file never touches a name the flags or the API own."""
+
+    def __init__(self, engine: LLMEngine, reserved_names: frozenset[str] = frozenset()) -> None:
         self.engine = engine
+        self.reserved_names = reserved_names  # the served model's name: an adapter of that name could not be chosen
         self._changes = threading.Lock()  # one load or unload at a time (a load may download for a while)
         self._lock = threading.Lock()  # guards _states, held only briefly
         self._states: dict[str, AdapterState] = {}
 
     def load(self, module: LoRAModule, origin: str, replace: bool = False) -> None:
-        """Load and serve ``module`` (``replace``: unload a loaded adapter of that name first); ValueError says why
-        not, and is recorded as the adapter's state for the file's adapters."""
+        """Load and serve ``module`` (``replace``: swap out a loaded adapter of that name once the new one is read,
+        so a bad replacement leaves the old one serving). ValueError says why not; for the file's adapters it is
+        also recorded as their state."""
+        if module.name in self.reserved_names:
+            raise ValueError(f"LoRA adapter name {module.name!r} is the served model's name; choose another")
         with self._changes:
-            loaded = self.engine.lora_id_or_none(module.name) is not None
-            if loaded and not replace:
+            owner = self._state(module.name)
+            if owner is not None and owner.origin == "file" and origin != "file":
+                raise ValueError(f"LoRA adapter {module.name!r} comes from the adapter list file; change it there")
+            if not replace and self.engine.lora_id_or_none(module.name) is not None:
                 raise ValueError(f"LoRA adapter {module.name!r} is already loaded; unload it first")
-            if loaded:
-                self.engine.remove_lora(module.name)
             try:
-                self.engine.add_lora(module)
-            except ValueError as exc:
-                self._set(
-                    module.name, AdapterState(module.name, module.path, origin, FAILED, str(exc)), origin == "file"
-                )
-                raise
-            self._set(module.name, AdapterState(module.name, module.path, origin, LOADED), True)
+                self.engine.add_lora(module, replace=replace)
+            except Exception as exc:  # a download's or a file's own error types too: never a 500, never fatal
+                message = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
+                if not isinstance(exc, ValueError) or not message.startswith("LoRA adapter"):
+                    message = f"LoRA adapter {module.name!r} could not be loaded from {module.path}: {message}"
+                if origin == "file":
+                    self._set(module.name, AdapterState(module.name, module.path, origin, FAILED, message))
+                raise ValueError(message) from None
+            self._set(module.name, AdapterState(module.name, module.path, origin, LOADED))
 
-    def unload(self, name: str) -> None:
-        """Stop serving ``name``; UnknownLoRAError if it is not loaded."""
+    def unload(self, name: str, origin: str = "api") -> None:
+        """Stop serving ``name``: UnknownLoRAError if it is not loaded, ValueError if the file owns it and
+        ``origin`` is not the file."""
         with self._changes:
-            with self._lock:
-                state = self._states.get(name)
+            state = self._state(name)
+            if state is not None and state.origin == "file" and origin != "file":
+                raise ValueError(f"LoRA adapter {name!r} comes from the adapter list file; remove it there")
             if state is None or state.state != FAILED:
                 self.engine.remove_lora(name)
-            self._set(name, None, True)
+            self._set(name, None)
 
     def states(self) -> list[AdapterState]:
         with self._lock:
             return list(self._states.values())
 
-    def _set(self, name: str, state: Optional[AdapterState], keep: bool) -> None:
+    def _state(self, name: str) -> Optional[AdapterState]:
         with self._lock:
-            if state is None or not keep:
+            return self._states.get(name)
+
+    def _set(self, name: str, state: Optional[AdapterState]) -> None:
+        with self._lock:
+            if state is None:
                 self._states.pop(name, None)
             else:
                 self._states[name] = state
@@ -118,7 +133,7 @@ class LoRAAdapters:
 
     def _unload_quietly(self, name: str) -> None:
         with contextlib.suppress(UnknownLoRAError):
-            self.unload(name)
+            self.unload(name, origin="file")
 
 
 class LoRAFileWatcher:
@@ -227,7 +242,8 @@ def add_lora_routes(
         try:
             await asyncio.to_thread(current.load, module, "api", body.load_inplace)
         except ValueError as exc:
-            param = "lora_name" if "already loaded" in str(exc) else "lora_path"
+            naming = ("already loaded", "adapter list file", "served model's name", "is not valid")
+            param = "lora_name" if any(text in str(exc) for text in naming) else "lora_path"
             raise bad_request(str(exc), param) from None
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
@@ -238,4 +254,6 @@ def add_lora_routes(
             await asyncio.to_thread(current.unload, body.lora_name)
         except UnknownLoRAError as exc:
             raise OpenAIError(404, str(exc), param="lora_name", code="model_not_found") from None
+        except ValueError as exc:
+            raise bad_request(str(exc), "lora_name") from None
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
