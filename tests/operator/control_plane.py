@@ -82,9 +82,12 @@ def cluster_with_crd(directory: Path, namespace: str) -> Iterator[Cluster]:
 
 
 @contextmanager
-def running_operator(cluster: Cluster, namespace: str, log: Path) -> Iterator[subprocess.Popen]:
-    """The operator (``kopf run``, standalone, watching ``namespace``) as a process against the cluster."""
-    env = {**os.environ, "KUBECONFIG": cluster.kubeconfig, "PAGODA_RECONCILE_INTERVAL": "2"}
+def running_operator(
+    cluster: Cluster, namespace: str, log: Path, extra_env: Optional[dict[str, str]] = None
+) -> Iterator[subprocess.Popen]:
+    """The operator (``kopf run``, standalone, watching ``namespace``) as a process against the cluster;
+    ``extra_env`` adds to its environment (e.g. ``PAGODA_AUTOSCALE_INTERVAL``)."""
+    env = {**os.environ, "KUBECONFIG": cluster.kubeconfig, "PAGODA_RECONCILE_INTERVAL": "2", **(extra_env or {})}
     command = [sys.executable, "-m", "kopf", "run", "--standalone", "-n", namespace, "-m", "pagoda_operator.main"]
     with open(log, "w") as out:
         process = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)

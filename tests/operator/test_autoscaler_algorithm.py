@@ -82,7 +82,8 @@ CASES = {
         [
             Tick(0, pods(16, 0, 0, 0), 4, "Stable"),
             Tick(30, pods(4, 0, 0, 0), 4, "Stabilizing"),  # recommends 1, but 4 is in the window
-            Tick(61, pods(4, 0, 0, 0), 1, "ScaleDown"),  # the 4 aged out; the window's max is 1
+            Tick(61, pods(4, 0, 0, 0), 4, "Stabilizing"),  # the 4 held until t=30: still in the window
+            Tick(91, pods(4, 0, 0, 0), 1, "ScaleDown"),  # the 4 aged out; the window's max is 1
         ],
     ),
     "flapping load does not flap the replicas": (
@@ -95,7 +96,8 @@ CASES = {
             Tick(45, pods(0, 0, 0), 3),
             Tick(60, pods(9, 3, 0), 3),
             Tick(75, pods(0, 0, 0), 3),
-            Tick(121, pods(0, 0, 0), 1, "ScaleDown"),  # a calm window after the last spike (t=60)
+            Tick(121, pods(0, 0, 0), 3),  # the last spike held from t=60 until t=75
+            Tick(136, pods(0, 0, 0), 1, "ScaleDown"),  # a calm window after it
         ],
     ),
     "a scale-up window ignores a spike that does not persist": (
@@ -106,8 +108,8 @@ CASES = {
             Tick(15, pods(20), 1, "Stabilizing"),  # the window still holds a 1
             Tick(31, pods(1), 1),  # spike gone
             Tick(45, pods(20), 1),
-            Tick(61, pods(20), 1),  # t=31's 1 is still in the window
-            Tick(62, pods(20), 5, "ScaleUp"),  # persisted for the whole window
+            Tick(74, pods(20), 1),  # t=31's 1, in force until t=45, is still in the window
+            Tick(76, pods(20), 5, "ScaleUp"),  # persisted for the whole window
         ],
     ),
     "a pod with unreadable metrics blocks scale-down (unknown is not zero)": (
@@ -127,7 +129,12 @@ CASES = {
     "the unknown pod's hold lasts a full scale-down window after it comes back": (
         SPEC,
         3,
-        [Tick(0, pods(0, None, 0), 3), Tick(30, pods(0, 0, 0), 3), Tick(61, pods(0, 0, 0), 1, "ScaleDown")],
+        [
+            Tick(0, pods(0, None, 0), 3),
+            Tick(30, pods(0, 0, 0), 3),  # back
+            Tick(89, pods(0, 0, 0), 3),
+            Tick(91, pods(0, 0, 0), 1, "ScaleDown"),
+        ],
     ),
     "not-ready pods are left out of the sum but count as capacity already ordered": (
         SPEC,
@@ -169,17 +176,37 @@ def test_restart_in_the_middle_of_a_scale_down_window_continues_the_window() -> 
     restored = from_status(stored)
     assert restored == state
     assert decide(pods(0, 0, 0, 0), restored, SPEC, replicas, 45.0).desired == 4  # the window is not restarted ...
-    assert decide(pods(0, 0, 0, 0), restored, SPEC, replicas, 61.0).desired == 1  # ... nor lost
-    # Without the stored state the window would start over at the restart and still hold at t=61.
+    assert decide(pods(0, 0, 0, 0), restored, SPEC, replicas, 91.0).desired == 1  # ... nor lost
+    # Without the stored state the window would start over at the restart and still hold at t=91.
     fresh = decide(pods(0, 0, 0, 0), AutoscalerState(), SPEC, replicas, 45.0)
     assert fresh.desired == 4
-    assert decide(pods(0, 0, 0, 0), fresh.state, SPEC, replicas, 61.0).desired == 4
+    assert decide(pods(0, 0, 0, 0), fresh.state, SPEC, replicas, 91.0).desired == 4
 
 
-def test_history_keeps_only_the_longer_window() -> None:
-    state = AutoscalerState(recommendations=(Recommendation(0.0, 3), Recommendation(50.0, 2)))
-    decision = decide(pods(0), state, SPEC, 3, 100.0)
-    assert [r.time for r in decision.state.recommendations] == [50.0, 100.0]
+def test_history_keeps_only_what_was_in_force_during_the_longer_window() -> None:
+    state = AutoscalerState(recommendations=(Recommendation(0.0, 3), Recommendation(30.0, 2), Recommendation(50.0, 4)))
+    decision = decide(pods(0), state, SPEC, 3, 100.0)  # the window starts at t=40, when the 2 was in force
+    assert decision.state.recommendations == (Recommendation(30.0, 2), Recommendation(50.0, 4), Recommendation(100, 1))
+
+
+def test_a_steady_recommendation_changes_no_state() -> None:
+    """What lets a quiet tick write nothing: the history holds change points, not one entry per tick."""
+    first = decide(pods(8, 0), AutoscalerState(), SPEC, 2, 0.0)
+    later = decide(pods(8, 0), first.state, SPEC, 2, 15.0)
+    assert later.state == first.state and (later.desired, later.reason) == (first.desired, first.reason)
+    changed = decide(pods(12, 0), later.state, SPEC, 2, 30.0)
+    assert changed.state.recommendations == (Recommendation(0.0, 2), Recommendation(30.0, 3))
+
+
+def test_a_tick_that_measures_nothing_starts_the_scale_down_window_again() -> None:
+    ticks = [
+        Tick(0, pods(0, 0, 0), 3, "Stabilizing"),
+        Tick(15, pods(not_ready=3), 3, "NoReadyPods"),  # counts as recommending the current 3 until measured again
+        Tick(30, pods(0, 0, 0), 3, "Stabilizing"),
+        Tick(89, pods(0, 0, 0), 3),
+        Tick(91, pods(0, 0, 0), 1, "ScaleDown"),  # a whole window after t=30
+    ]
+    run(ticks, replicas=3)
 
 
 def test_damaged_stored_state_starts_empty() -> None:

@@ -130,11 +130,13 @@ def test_rbac_is_least_privilege(helm: Path) -> None:
         assert "*" not in rule["verbs"] and "*" not in rule["resources"]
         if rule["resources"] in (["modeldeployments"],):
             assert not {"create", "update", "delete"} & set(rule["verbs"])  # the operator never writes specs
-        if rule["resources"] == ["pods"]:
-            assert set(rule["verbs"]) <= {"get", "list", "watch"}
-    # the adapter lists: read and written by name only, never listed or watched
-    (config_maps,) = [r for r in role["rules"] if r["resources"] == ["configmaps"]]
-    assert set(config_maps["verbs"]) == {"get", "create", "patch", "delete"}
+    # pods: read, and patched for one annotation (the deletion cost), never created, updated or deleted
+    pod_verbs = {verb for rule in role["rules"] if rule["resources"] == ["pods"] for verb in rule["verbs"]}
+    assert pod_verbs == {"get", "list", "watch", "patch"}
+    # the adapter lists and the disruption budgets: read and written by name only, never listed or watched
+    for resource in ("configmaps", "poddisruptionbudgets"):
+        (rule,) = [r for r in role["rules"] if r["resources"] == [resource]]
+        assert set(rule["verbs"]) == {"get", "create", "patch", "delete"}
 
 
 def test_chart_crd_is_the_repository_crd(helm: Path) -> None:

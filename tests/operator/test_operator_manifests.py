@@ -16,7 +16,7 @@ from operator_helpers import (
     validate_kubernetes,
 )
 
-from pagoda_operator.builders import Owner, build_deployment, build_hpa, build_service
+from pagoda_operator.builders import Owner, build_deployment, build_hpa, build_pdb, build_service
 from pagoda_operator.constants import GROUP, KIND, PLURAL, VERSION
 from pagoda_operator.spec import InvalidSpec, parse_spec
 
@@ -36,14 +36,15 @@ def rendered_children(body: dict[str, Any]) -> list[dict[str, Any]]:
         build_deployment(spec, owner, include_replicas=False),
         build_service(spec, owner),
     ]
-    hpa = build_hpa(spec, owner)
-    return children + ([hpa] if hpa else [])
+    optional = [build_hpa(spec, owner), build_pdb(spec, owner)]
+    return children + [child for child in optional if child]
 
 
 EXTRA_SPECS = [
     {"autoscaling": {"enabled": True, "minReplicas": 1, "maxReplicas": 8, "targetWaitingRequests": 0.5}},
     {"gpus": 8, "quantization": "fp8", "modelCache": {"size": "100Gi"}, "service": {"type": "NodePort"}},
     {"apiKeySecretRef": {"name": "k"}, "engine": {"env": [{"name": "A", "value": "b"}], "imagePullPolicy": "Always"}},
+    {"replicas": 3, "rollout": {"maxSurge": "25%", "maxUnavailable": "10%"}, "drainSeconds": 600},
 ]
 
 

@@ -201,3 +201,42 @@ def test_replica_ownership_is_read_from_managed_fields() -> None:
     }
     assert owns_replicas(deployment, "pagoda-autoscaler")
     assert not owns_replicas(deployment, "pagoda-operator")
+
+
+@pytest.mark.parametrize(
+    ("reason", "kubelet_says"),
+    [
+        ("ErrImagePull", 'rpc error: code = NotFound desc = failed to pull and unpack image "engine:1": not found'),
+        ("ImagePullBackOff", 'Back-off pulling image "engine:1"'),
+        ("InvalidImageName", 'Failed to apply default image tag "engine:1": couldn\'t parse image reference'),
+        ("ErrImageNeverPull", 'Container image "engine:1" is not present with pull policy of Never'),
+    ],
+)
+def test_an_image_that_cannot_be_pulled_is_degraded_with_the_kubelets_reason(reason: str, kubelet_says: str) -> None:
+    unpulled = pod({"waiting": {"reason": reason, "message": kubelet_says}})
+    conditions = {c.type: c for c in compute_conditions(None, deployment(1, 0), [unpulled])}
+    assert (conditions["Degraded"].status, conditions["Degraded"].reason) == (True, reason)
+    assert conditions["Degraded"].message == f"pod p-1, container engine: cannot pull image engine:1: {kubelet_says}"
+    assert conditions["Ready"].reason == reason
+
+
+def test_a_missing_secret_is_degraded_with_the_kubelets_message() -> None:
+    missing = pod({"waiting": {"reason": "CreateContainerConfigError", "message": 'secret "hf-token" not found'}})
+    (_, _, degraded) = compute_conditions(None, deployment(1, 0), [missing])
+    assert (degraded.status, degraded.reason) == (True, "CreateContainerConfigError")
+    assert degraded.message == 'pod p-1, container engine: cannot start the container: secret "hf-token" not found'
+
+
+def test_the_download_init_container_failing_to_pull_is_degraded_too() -> None:
+    waiting = {"waiting": {"reason": "ErrImagePull", "message": "unauthorized"}}
+    init = {"name": "download", "image": "registry.example/engine:2", "state": waiting}
+    pending = {"metadata": {"name": "p-3"}, "status": {"initContainerStatuses": [init]}}
+    (_, _, degraded) = compute_conditions(None, deployment(1, 0), [pending])
+    assert degraded.reason == "ErrImagePull"
+    assert degraded.message == "pod p-3, container download: cannot pull image registry.example/engine:2: unauthorized"
+
+
+@pytest.mark.parametrize("reason", ["ContainerCreating", "PodInitializing"])
+def test_a_container_on_its_way_up_is_not_degraded(reason: str) -> None:
+    (_, _, degraded) = compute_conditions(None, deployment(1, 0), [pod({"waiting": {"reason": reason}})])
+    assert (degraded.status, degraded.reason) == (False, "AsExpected")

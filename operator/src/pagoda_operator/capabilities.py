@@ -41,7 +41,7 @@ SPEC_FLAGS = {
     "--max-loras": "spec.maxLoras",
     "--max-lora-rank": "spec.maxLoraRank",
     "--max-cpu-loras": "spec.maxCpuLoras",
-    "--shutdown-timeout": "spec.engine.shutdownTimeoutSeconds",
+    "--shutdown-timeout": "spec.drainSeconds",
     "--chat-template": "spec.engine.chatTemplate",
     "--api-key": "spec.apiKeySecretRef",
 }

@@ -8,23 +8,31 @@ a hand-edited or deleted child stays wrong; ``PAGODA_ENGINE_IMAGE`` (the default
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import time
-from typing import Any
+from typing import Any, Optional
 
 import aiohttp
 import kopf
 
 from pagoda_operator.autoscaler.loop import autoscale_once, builtin_enabled
-from pagoda_operator.builders.meta import MANAGED_BY
+from pagoda_operator.child_watch import ChildWatches
 from pagoda_operator.constants import GROUP, PLURAL, VERSION
-from pagoda_operator.kube import KubeClient, KubeError
+from pagoda_operator.kube import KubeClient, KubeError, login
 from pagoda_operator.reconcile import delete_children, reconcile, refresh_owner_status
+from pagoda_operator.scale_status import ignored_scale_from
 from pagoda_operator.status import status_changes
 
 RECONCILE_INTERVAL = float(os.environ.get("PAGODA_RECONCILE_INTERVAL", "30"))
 AUTOSCALE_INTERVAL = float(os.environ.get("PAGODA_AUTOSCALE_INTERVAL", "15"))
 RESOURCE = (GROUP, VERSION, PLURAL)
+
+
+@kopf.on.login()
+def login_as_the_client(settings: kopf.OperatorSettings, **_: Any) -> Optional[kopf.ConnectionInfo]:
+    """kopf logs in exactly as ``KubeClient`` does (``kube.login``), not through kubernetes_asyncio's loaders."""
+    return login(settings)
 
 
 @kopf.on.startup()
@@ -36,11 +44,15 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
     memo.kube = KubeClient.from_environment(settings)
     # Reaches the engine pods (the autoscaler's /metrics, the adapter status); shared by every resource.
     memo.scrape_session = aiohttp.ClientSession()
+    # Our Deployments' changes refresh their owners' status at once, not only at the next timer tick.
+    refresh = functools.partial(refresh_owner_status, memo.kube, session=memo.scrape_session)
+    memo.child_watches = ChildWatches(memo.kube, refresh, clusterwide=settings.peering.clusterwide)
 
 
 @kopf.on.cleanup()
 async def cleanup(memo: kopf.Memo, **_: Any) -> None:
-    """Close the API sessions."""
+    """Stop the Deployment watches, then close the API sessions."""
+    await memo.child_watches.close()
     await memo.kube.close()
     await memo.scrape_session.close()
 
@@ -52,10 +64,13 @@ def _lock(memo: kopf.Memo) -> asyncio.Lock:
     return memo.setdefault("lock", asyncio.Lock())
 
 
-async def _reconcile_into(memo: kopf.Memo, body: kopf.Body, patch: kopf.Patch) -> None:
+async def _reconcile_into(
+    memo: kopf.Memo, body: kopf.Body, patch: kopf.Patch, scaled_from: Optional[int] = None
+) -> None:
     try:
         async with _lock(memo):
-            status = await reconcile(memo.kube, body, memo.setdefault("reported", {}), session=memo.scrape_session)
+            reported = memo.setdefault("reported", {})
+            status = await reconcile(memo.kube, body, reported, session=memo.scrape_session, scaled_from=scaled_from)
     except (KubeError, aiohttp.ClientError) as error:
         raise kopf.TemporaryError(f"Kubernetes API call failed: {error}", delay=10) from error
     # Only what changed: a quiet pass writes no status at all.
@@ -65,9 +80,10 @@ async def _reconcile_into(memo: kopf.Memo, body: kopf.Body, patch: kopf.Patch) -
 @kopf.on.resume(*RESOURCE)
 @kopf.on.create(*RESOURCE)
 @kopf.on.update(*RESOURCE, field="spec")
-async def on_change(memo: kopf.Memo, body: kopf.Body, patch: kopf.Patch, **_: Any) -> None:
-    """Reconcile at once when a ModelDeployment appears, changes, or the operator restarts."""
-    await _reconcile_into(memo, body, patch)
+async def on_change(memo: kopf.Memo, body: kopf.Body, patch: kopf.Patch, old: Any, new: Any, **_: Any) -> None:
+    """Reconcile at once when a ModelDeployment appears, changes, or the operator restarts. ``old``/``new``: the
+    specs of an update (kopf's diff base), which tell a ``kubectl scale`` that autoscaling ignores."""
+    await _reconcile_into(memo, body, patch, ignored_scale_from(old, new))
 
 
 @kopf.timer(*RESOURCE, interval=RECONCILE_INTERVAL)
@@ -83,21 +99,18 @@ async def on_delete(memo: kopf.Memo, body: kopf.Body, **_: Any) -> None:
         await delete_children(memo.kube, body)
     except (KubeError, aiohttp.ClientError) as error:
         raise kopf.TemporaryError(f"deleting children failed: {error}", delay=10) from error
-    kopf.info(dict(body), reason="Deleted", message="deleted the Deployment, Service and autoscaler")
+    kopf.info(
+        dict(body),
+        reason="Deleted",
+        message="deleted its children (Deployment, Service, autoscaler, disruption budget, adapter list)",
+    )
 
 
-@kopf.on.event("apps", "v1", "deployments", labels={"app.kubernetes.io/managed-by": MANAGED_BY})
-async def on_deployment_event(
-    memo: kopf.Memo, body: kopf.Body, event: kopf.RawEvent, logger: kopf.Logger, **_: Any
-) -> None:
-    """Refresh the owner's status as soon as its Deployment's status changes, not only at the next timer tick."""
-    owner = body.get("metadata", {}).get("labels", {}).get("pagoda.dev/model-deployment")
-    if not owner or event.get("type") == "DELETED":
-        return
-    try:
-        await refresh_owner_status(memo.kube, body.metadata.namespace, owner, memo.scrape_session)
-    except (KubeError, aiohttp.ClientError) as error:
-        logger.warning(f"could not refresh the status of ModelDeployment {owner}: {error}")  # the timer retries
+@kopf.on.event(*RESOURCE)
+async def watch_children(memo: kopf.Memo, body: kopf.Body, **_: Any) -> None:
+    """Make sure the Deployments of this ModelDeployment's namespace are watched (``child_watch``: selected by the
+    API server, unlike a kopf handler on Deployments, which would watch every Deployment in scope)."""
+    memo.child_watches.ensure(body.metadata.namespace)
 
 
 def _builtin_autoscaling(body: kopf.Body, **_: Any) -> bool:

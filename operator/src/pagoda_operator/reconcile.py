@@ -8,7 +8,8 @@ would become; when that equals the live object nothing is written and no Event i
 makes no writes at all. The status is written only where it changed (``status_changes``).
 
 With LoRA on, the adapter list ConfigMap is applied before the Deployment (its pods mount it), and the status says
-which adapters the Ready pods have loaded (``lora_status``: one HTTP GET per Ready pod per pass).
+which adapters the Ready pods have loaded (``lora_status``: one HTTP GET per Ready pod per pass). A resource that
+never runs on fewer than two replicas also gets a PodDisruptionBudget (``builders.disruption``).
 """
 
 from __future__ import annotations
@@ -25,16 +26,19 @@ from pagoda_operator.builders import (
     build_deployment,
     build_hpa,
     build_lora_config_map,
+    build_pdb,
     build_service,
     lora_config_map_name,
     selector_labels,
     selector_string,
 )
+from pagoda_operator.builders.disruption import PDB_API_VERSION, PDB_PLURAL
 from pagoda_operator.builders.service import endpoint_url
 from pagoda_operator.capabilities import check_capabilities
 from pagoda_operator.constants import API_VERSION, AUTOSCALER_FIELD_MANAGER, FIELD_MANAGER, PLURAL
 from pagoda_operator.kube import KubeClient, object_path, path_of
 from pagoda_operator.lora_status import observe_lora
+from pagoda_operator.scale_status import ScaleStatus, scale_status
 from pagoda_operator.spec import InvalidSpec, ModelDeploymentSpec, parse_spec
 from pagoda_operator.status import compute_status, status_changes
 
@@ -123,7 +127,8 @@ async def _delete_child(kube: KubeClient, body: Mapping[str, Any], path: str, ki
 
 
 async def apply_children(kube: KubeClient, body: Mapping[str, Any], spec: ModelDeploymentSpec, owner: Owner) -> None:
-    """Create or re-apply the adapter list, Deployment, Service and HPA; delete the ones no longer wanted."""
+    """Create or re-apply the adapter list, Deployment, Service, HPA and disruption budget; delete the ones no longer
+    wanted."""
     config_map = build_lora_config_map(spec, owner)
     if config_map is not None:
         await _ensure(kube, body, config_map)  # before the Deployment: its pods mount it
@@ -135,6 +140,12 @@ async def apply_children(kube: KubeClient, body: Mapping[str, Any], spec: ModelD
     else:
         path = object_path("autoscaling/v2", "horizontalpodautoscalers", owner.namespace, owner.name)
         await _delete_child(kube, body, path, "HorizontalPodAutoscaler", owner.name)
+    pdb = build_pdb(spec, owner)
+    if pdb is not None:
+        await _ensure(kube, body, pdb)
+    else:
+        path = object_path(PDB_API_VERSION, PDB_PLURAL, owner.namespace, owner.name)
+        await _delete_child(kube, body, path, "PodDisruptionBudget", owner.name)
     if config_map is None:  # LoRA off: after the Deployment, whose new template no longer mounts it
         name = lora_config_map_name(owner)
         await _delete_child(kube, body, object_path("v1", "configmaps", owner.namespace, name), "ConfigMap", name)
@@ -145,6 +156,7 @@ async def delete_children(kube: KubeClient, body: Mapping[str, Any]) -> None:
     meta = body["metadata"]
     for api_version, plural in (
         ("autoscaling/v2", "horizontalpodautoscalers"),
+        (PDB_API_VERSION, PDB_PLURAL),
         ("v1", "services"),
         ("apps/v1", "deployments"),
     ):
@@ -179,23 +191,27 @@ async def observe(
     error: Optional[InvalidSpec],
     now: datetime.datetime,
     session: Optional[aiohttp.ClientSession] = None,
+    scale: Optional[ScaleStatus] = None,
 ) -> dict[str, Any]:
     """The status for what the Deployment and its pods show right now (reads only; ``spec`` None while invalid).
-    With ``session``, the Ready pods are asked which adapters they have loaded."""
+    With ``session``, the Ready pods are asked which adapters they have loaded. ``scale``: the ignored-scale status
+    when the caller worked it out (it saw a change of spec.replicas); by default the one the status already holds."""
     owner = Owner.from_body(body)
+    previous = body.get("status") or {}
     deployment = await kube.get(object_path("apps/v1", "deployments", owner.namespace, owner.name))
     pods = await kube.list(object_path("v1", "pods", owner.namespace), selector_labels(owner)) if deployment else []
     return compute_status(
         error=error,
         deployment=deployment,
         pods=pods,
-        previous=body.get("status") or {},
+        previous=previous,
         generation=(body.get("metadata") or {}).get("generation"),
         selector=selector_string(owner),
         endpoint=endpoint_url(spec, owner) if spec else None,
         now=now,
         served_model_name=spec.served_model_name if spec else None,
         lora=await observe_lora(session, spec, pods),
+        scale=scale or scale_status(spec, owner.name, previous),
     )
 
 
@@ -205,11 +221,13 @@ async def reconcile(
     reported: Optional[dict[str, str]] = None,
     now: Optional[datetime.datetime] = None,
     session: Optional[aiohttp.ClientSession] = None,
+    scaled_from: Optional[int] = None,
 ) -> dict[str, Any]:
     """Bring the children in line with the spec (unless it is invalid) and return the status to patch.
 
     ``reported`` remembers what was already announced in Events for this resource (kopf keeps it per resource);
-    ``session`` reaches the pods over HTTP for the adapter status.
+    ``session`` reaches the pods over HTTP for the adapter status; ``scaled_from``: spec.replicas before the change
+    being handled, when autoscaling ignores that change (``scale_status.ignored_scale_from``).
     """
     owner = Owner.from_body(body)
     error: Optional[InvalidSpec] = None
@@ -223,7 +241,11 @@ async def reconcile(
         if reported is not None:
             reported.pop("invalid", None)  # a later, identical mistake is news again
         await apply_children(kube, body, spec, owner)
-    return await observe(kube, body, spec, error, now or datetime.datetime.now(datetime.UTC), session)
+    scale = scale_status(spec, owner.name, body.get("status") or {}, scaled_from)
+    status = await observe(kube, body, spec, error, now or datetime.datetime.now(datetime.UTC), session, scale)
+    if scale.warning:  # only once the pass worked: a failed pass is retried, and would warn twice
+        kopf.warn(dict(body), reason="ScaleIgnored", message=scale.warning)
+    return status
 
 
 async def refresh_owner_status(

@@ -23,6 +23,8 @@ LORA_RANKS = (8, 16, 32, 64, 128, 256)  # what --max-lora-rank takes
 ENGINE_DEFAULT_MAX_LORAS = 4  # pagoda serve's --max-loras default, which --max-cpu-loras must not undercut
 _PVC_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _S3_URL = re.compile(r"^s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/[^\s]*)?$")
+_PERCENT = re.compile(r"^(0|[1-9][0-9]*)%$")  # the CRD's pattern for rollout percentages
+DEFAULT_DRAIN_SECONDS = 30
 
 
 class InvalidSpec(ValueError):
@@ -95,6 +97,17 @@ class Autoscaling:
 
 
 @dataclass(slots=True, frozen=True)
+class Rollout:
+    """How a spec change replaces the pods: the Deployment's RollingUpdate, each an int or a percent string.
+
+    The default starts a new pod before stopping an old one, so a one-replica model keeps serving through a
+    rollout when the cluster has room for one more pod (for a GPU model: a spare GPU)."""
+
+    max_surge: int | str = 1
+    max_unavailable: int | str = 0
+
+
+@dataclass(slots=True, frozen=True)
 class ModelCache:
     """Where downloaded weights are cached: a PVC (survives restarts) or an emptyDir (per pod)."""
 
@@ -117,7 +130,7 @@ class ModelDeploymentSpec:
     image_pull_policy: str = "IfNotPresent"
     extra_args: tuple[str, ...] = ()
     env: tuple[Mapping[str, Any], ...] = ()
-    shutdown_timeout_seconds: int = 30
+    drain_seconds: int = DEFAULT_DRAIN_SECONDS  # the engine's --shutdown-timeout; the grace period follows it
     gpus: int = 0
     quantization: Optional[str] = None
     max_model_len: Optional[int] = None
@@ -134,6 +147,7 @@ class ModelDeploymentSpec:
     max_cpu_loras: Optional[int] = None
     replicas: int = 1
     autoscaling: Autoscaling = field(default_factory=Autoscaling)
+    rollout: Rollout = field(default_factory=Rollout)
     resources: Mapping[str, Any] = field(default_factory=dict)
     node_selector: Mapping[str, str] = field(default_factory=dict)
     tolerations: tuple[Mapping[str, Any], ...] = ()
@@ -144,6 +158,11 @@ class ModelDeploymentSpec:
     shm_size: str = "1Gi"
     service_type: str = "ClusterIP"
     service_port: int = 8000
+
+    @property
+    def min_replicas(self) -> int:
+        """The fewest replicas this resource runs with: ``replicas``, or ``minReplicas`` while autoscaled."""
+        return self.autoscaling.min_replicas if self.autoscaling.enabled else self.replicas
 
     def pvc_claims(self) -> list[str]:
         """Distinct claims that hold the model or an adapter: the model's first, then the adapters' by name.
@@ -195,6 +214,39 @@ def _parse_autoscaling(raw: Mapping[str, Any]) -> Autoscaling:
     if scaling.target_waiting_requests <= 0:
         raise InvalidSpec("spec.autoscaling.targetWaitingRequests", "must be greater than 0")
     return scaling
+
+
+def _rollout_value(raw: Mapping[str, Any], key: str, default: int, at_most_100: bool) -> int | str:
+    """One RollingUpdate bound: a count >= 0 or a percentage (the CRD's schema, checked again for bodies that did
+    not pass an API server)."""
+    value = raw.get(key, default)
+    if isinstance(value, str) and _PERCENT.match(value):
+        if at_most_100 and int(value[:-1]) > 100:
+            raise InvalidSpec(f"spec.rollout.{key}", f"{value} is more than 100%")
+        return value
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    raise InvalidSpec(f"spec.rollout.{key}", f"{value!r} is neither a count >= 0 nor a percentage such as 25%")
+
+
+def _parse_rollout(raw: Mapping[str, Any]) -> Rollout:
+    """The rollout bounds (mirrors the CRD's CEL rule: not both zero, or a rollout could never make progress)."""
+    rollout = Rollout(
+        max_surge=_rollout_value(raw, "maxSurge", 1, at_most_100=False),
+        max_unavailable=_rollout_value(raw, "maxUnavailable", 0, at_most_100=True),
+    )
+    if rollout.max_surge in (0, "0%") and rollout.max_unavailable in (0, "0%"):
+        raise InvalidSpec("spec.rollout", "maxSurge and maxUnavailable are both 0: set maxUnavailable to 1")
+    return rollout
+
+
+def _parse_drain(spec: Mapping[str, Any], engine: Mapping[str, Any]) -> int:
+    """``spec.drainSeconds``; the older ``engine.shutdownTimeoutSeconds`` still counts when it is the only one set
+    (the CRD used to default it, so stored resources carry it: refusing both would refuse their next edit)."""
+    drain = spec.get("drainSeconds")
+    if drain is None:
+        drain = engine.get("shutdownTimeoutSeconds", DEFAULT_DRAIN_SECONDS)
+    return int(drain)
 
 
 def _parse_adapters(raw: list[Mapping[str, Any]]) -> tuple[LoraAdapter, ...]:
@@ -302,7 +354,7 @@ def parse_spec(body: Mapping[str, Any]) -> ModelDeploymentSpec:
         image_pull_policy=str(engine.get("imagePullPolicy", "IfNotPresent")),
         extra_args=tuple(str(a) for a in engine.get("extraArgs") or ()),
         env=tuple(engine.get("env") or ()),
-        shutdown_timeout_seconds=int(engine.get("shutdownTimeoutSeconds", 30)),
+        drain_seconds=_parse_drain(spec, engine),
         gpus=gpus,
         quantization=quantization,
         max_model_len=spec.get("maxModelLen"),
@@ -312,6 +364,7 @@ def parse_spec(body: Mapping[str, Any]) -> ModelDeploymentSpec:
         enable_prefix_caching=spec.get("enablePrefixCaching"),
         replicas=int(spec.get("replicas", 1)),
         autoscaling=_parse_autoscaling(spec.get("autoscaling") or {}),
+        rollout=_parse_rollout(spec.get("rollout") or {}),
         resources=dict(spec.get("resources") or {}),
         node_selector=dict(spec.get("nodeSelector") or {}),
         tolerations=tuple(spec.get("tolerations") or ()),

@@ -3,8 +3,11 @@
 Conditions: ``Ready`` (every wanted replica serves), ``Progressing`` (a rollout or scale-up is under way) and
 ``Degraded`` (something needs a human: InvalidSpec; the start-up reason an engine or model download reported in its
 termination message, such as ModelNotFound, Unauthorized or OutOfMemory; ModelLoadFailed for any other crash loop;
-ImagePullBackOff; Unschedulable, with the scheduler's message; ProgressDeadlineExceeded when the Deployment
-controller gave up waiting for the rollout). With LoRA on, ``LoraAdaptersReady`` too (see ``lora_status``).
+a container the kubelet cannot start, with the kubelet's own waiting reason and message: ErrImagePull,
+ImagePullBackOff, InvalidImageName, ErrImageNeverPull, CreateContainerConfigError (a missing Secret or ConfigMap),
+CreateContainerError, RunContainerError; Unschedulable, with the scheduler's message; ProgressDeadlineExceeded when
+the Deployment controller gave up waiting for the rollout). With LoRA on, ``LoraAdaptersReady`` too (see
+``lora_status``); after a ``kubectl scale`` that autoscaling ignores, ``ScaleIgnored`` (see ``scale_status``).
 ``lastTransitionTime`` only changes when a condition's status changes.
 """
 
@@ -18,10 +21,17 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from pagoda_operator.spec import InvalidSpec
 
-if TYPE_CHECKING:  # lora_status builds its condition with this module's Condition
+if TYPE_CHECKING:  # lora_status and scale_status build their conditions with this module's Condition
     from pagoda_operator.lora_status import LoraStatus
+    from pagoda_operator.scale_status import ScaleStatus
 
-_PULL_FAILURES = frozenset({"ImagePullBackOff", "ErrImagePull", "InvalidImageName"})
+# The kubelet's waiting reasons for a container it cannot start at all. They are reported as they are (the reason
+# says what to fix), with the kubelet's message: for pulls it names the image, for the start failures the missing
+# Secret, ConfigMap or key, or the runtime's error. The kubelet keeps retrying, but nearly always someone has to fix
+# something (an image name, registry credentials, a Secret) first, so each is Degraded at once; the condition clears
+# as soon as the pod's status no longer shows it.
+_PULL_FAILURES = frozenset({"ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull"})
+_START_FAILURES = frozenset({"CreateContainerConfigError", "CreateContainerError", "RunContainerError"})
 _CRASH_FAILURES = frozenset({"CrashLoopBackOff"})
 # What the engine's termination message starts with (pagoda.startup_failure): "REASON: cause".
 STARTUP_REASONS = (
@@ -67,7 +77,8 @@ def stuck_rollout(deployment: Mapping[str, Any]) -> Optional[Condition]:
 
 
 def pod_failure(pods: Sequence[Mapping[str, Any]]) -> Optional[Condition]:
-    """A Degraded condition when a pod cannot pull its image, or its model download or engine keeps failing.
+    """A Degraded condition when a pod's container cannot be started (its image cannot be pulled, a Secret or
+    ConfigMap it refers to is missing), or its model download or engine keeps failing.
 
     The engine and ``pagoda download`` end a failed start with a termination message ``REASON: cause`` (reasons in
     ``STARTUP_REASONS``), which becomes the condition's reason; the kubelet's ``OOMKilled`` becomes OutOfMemory; any
@@ -85,20 +96,23 @@ def pod_failure(pods: Sequence[Mapping[str, Any]]) -> Optional[Condition]:
 
 
 def _container_failure(pod: str, container: Mapping[str, Any]) -> Optional[Condition]:
+    """Degraded for one container status that shows a failure, else None."""
     state = container.get("state") or {}
     waiting = state.get("waiting") or {}
-    if waiting.get("reason") in _PULL_FAILURES:
-        message = (
-            f"pod {pod}: cannot pull image {container.get('image', '')}: {waiting.get('message', waiting['reason'])}"
-        )
-        return Condition("Degraded", True, "ImagePullBackOff", message)
+    where = f"pod {pod}, container {container.get('name', '?')}"
+    reason = waiting.get("reason")
+    if reason in _PULL_FAILURES:
+        why = waiting.get("message") or reason
+        return Condition("Degraded", True, reason, f"{where}: cannot pull image {container.get('image', '?')}: {why}")
+    if reason in _START_FAILURES:
+        why = waiting.get("message") or reason
+        return Condition("Degraded", True, reason, f"{where}: cannot start the container: {why}")
     if "running" in state:
         return None  # started again (maybe recovering); an earlier failure in lastState is history now
     terminated = state.get("terminated") or (container.get("lastState") or {}).get("terminated") or {}
-    crash_looping = waiting.get("reason") in _CRASH_FAILURES
+    crash_looping = reason in _CRASH_FAILURES
     if not crash_looping and (not terminated or terminated.get("exitCode") == 0):
         return None
-    where = f"pod {pod}, container {container.get('name', '?')}"
     match = _REASON_LINE.match(terminated.get("message") or "")
     if match:
         return Condition("Degraded", True, match.group(1), f"{where}: {match.group(2).strip()}")
@@ -198,12 +212,15 @@ def compute_status(
     now: datetime.datetime,
     served_model_name: Optional[str] = None,
     lora: Optional[LoraStatus] = None,
+    scale: Optional[ScaleStatus] = None,
 ) -> dict[str, Any]:
     """The full ``.status`` to patch onto the ModelDeployment (``servedModelName``: the name clients send, also
     when the spec leaves it to default; null while the spec is invalid; ``loraAdapters`` null without LoRA, which
-    removes a stale list)."""
+    removes a stale list; ``ignoredScale`` null unless a scale is being ignored)."""
     observed = (deployment or {}).get("status") or {}
     conditions = compute_conditions(error, deployment, pods) + ([lora.condition] if lora else [])
+    if scale is not None and scale.condition is not None:
+        conditions.append(scale.condition)
     status: dict[str, Any] = {
         "replicas": int(observed.get("replicas") or 0),
         "readyReplicas": int(observed.get("readyReplicas") or 0),
@@ -211,6 +228,7 @@ def compute_status(
         "endpoint": endpoint,
         "servedModelName": served_model_name,
         "loraAdapters": lora.adapters if lora else None,
+        "ignoredScale": scale.ignored if scale else None,
         "conditions": render_conditions(conditions, previous.get("conditions") or [], generation, now),
     }
     if generation is not None:

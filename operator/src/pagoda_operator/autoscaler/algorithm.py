@@ -14,6 +14,12 @@ Failure modes handled on purpose:
 - the recommendation history lives in the resource's status (``to_status``/``from_status``), so an operator restart
   in the middle of a window continues it instead of starting over; without any stored history, a scale-down
   window starts now instead of scaling down at once.
+
+The history holds change points: a recommendation is recorded when it differs from the one in force, and holds
+until the next one is recorded. So a tick that recommends what the last one did changes no state, and the status
+(which stores it) is not rewritten every tick. A window sees every recommendation in force at some instant of it;
+a tick that could measure nothing records the current replicas (unknown is not zero), so a scale-down window
+starts over once the pods can be measured again.
 """
 
 from __future__ import annotations
@@ -96,9 +102,21 @@ def _clamp(value: int, spec: Autoscaling) -> int:
     return max(spec.min_replicas, min(spec.max_replicas, value))
 
 
+def _in_force_since(history: Sequence[Recommendation], start: float) -> list[Recommendation]:
+    """The recommendations in force at some instant after ``start``: each holds until the next one's time."""
+    ends = [r.time for r in history[1:]] + [math.inf]
+    return [r for r, end in zip(history, ends) if end > start]
+
+
+def _record(history: list[Recommendation], now: float, replicas: int) -> None:
+    """Append a change point, unless ``replicas`` is the recommendation already in force."""
+    if not history or history[-1].replicas != replicas:
+        history.append(Recommendation(now, replicas))
+
+
 def _stabilized(history: Sequence[Recommendation], spec: Autoscaling, current: int, now: float) -> int:
-    up = [r.replicas for r in history if r.time >= now - spec.scale_up_stabilization_seconds]
-    down = [r.replicas for r in history if r.time >= now - spec.scale_down_stabilization_seconds]
+    up = [r.replicas for r in _in_force_since(history, now - spec.scale_up_stabilization_seconds)]
+    down = [r.replicas for r in _in_force_since(history, now - spec.scale_down_stabilization_seconds)]
     up_limit, down_limit = min(up), max(down)
     if current < up_limit:
         return up_limit
@@ -118,10 +136,11 @@ def decide(
     """Desired replicas for the pods observed now, given the remembered recommendations (see the module doc)."""
     metrics = _metrics(samples)
     keep = max(spec.scale_up_stabilization_seconds, spec.scale_down_stabilization_seconds)
-    history = [r for r in state.recommendations if r.time >= now - keep]
+    history = _in_force_since(state.recommendations, now - keep)
     if metrics.pods_ready == metrics.pods_unknown:
         # Nothing measurable: only the min/max clamp may act, never a metric-driven change.
         desired = _clamp(current_replicas, spec)
+        _record(history, now, desired)
         reason = "NoReadyPods" if metrics.pods_ready == 0 else "MetricsUnknown"
         new_state = AutoscalerState(tuple(history), state.last_scale_time, state.last_scale_up_time)
         reason = reason if desired == current_replicas else "Clamped"
@@ -132,7 +151,7 @@ def decide(
     if not history and raw < current_replicas:
         # No remembered window (a new resource, or state lost): start one rather than scaling down at once.
         history.append(Recommendation(now, _clamp(current_replicas, spec)))
-    history.append(Recommendation(now, raw))
+    _record(history, now, raw)
     desired = _clamp(_stabilized(history, spec, current_replicas, now), spec)
     reason = _reason(desired, current_replicas, raw, metrics)
     converging = state.last_scale_up_time is not None and now - state.last_scale_up_time < convergence_timeout

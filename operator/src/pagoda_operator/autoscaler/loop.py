@@ -3,6 +3,10 @@
 Everything the decision depends on comes from the cluster (pods and their IPs from the API, the Deployment's
 replicas, the remembered recommendations from the resource's status), so a restarted operator continues where the
 previous one stopped.
+
+The status is written only when the decision or the remembered history changes (``status_update``): a quiet tick
+writes nothing, so a steady model does not rewrite its resource (and wake every watcher of it) every tick. The
+metric values in ``lastDecision`` are those of the tick at which the decision last changed.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import aiohttp
 import kopf
 
 from pagoda_operator.autoscaler.algorithm import Decision, PodSample, decide, from_status, to_status
+from pagoda_operator.autoscaler.deletion_cost import deletion_costs, write_deletion_costs
 from pagoda_operator.autoscaler.scrape import scrape
 from pagoda_operator.builders import Owner, selector_labels
 from pagoda_operator.constants import AUTOSCALER_FIELD_MANAGER
@@ -25,6 +30,9 @@ from pagoda_operator.pods import is_ready, pod_url
 from pagoda_operator.spec import InvalidSpec, ModelDeploymentSpec, parse_spec
 
 logger = logging.getLogger("pagoda_operator.autoscaler")
+# What makes lastDecision a different decision; its metric values alone (waiting, running, kvCacheUsage) change
+# with every request and would make every tick of a loaded model a write.
+_DECISION_KEYS = ("reason", "currentReplicas", "recommendedReplicas", "podsReady", "podsUnknown")
 
 
 def builtin_enabled(body: Mapping[str, Any]) -> bool:
@@ -78,6 +86,30 @@ def decision_status(decision: Decision, current: int) -> dict[str, Any]:
     return status
 
 
+def _without_nulls(value: Any) -> Any:
+    """``value`` as the status stores it: a merge patch deletes the keys it sets to null."""
+    if isinstance(value, Mapping):
+        return {k: _without_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_without_nulls(v) for v in value]
+    return value
+
+
+def status_update(previous: Mapping[str, Any], status: Mapping[str, Any]) -> Optional[dict[str, Any]]:
+    """The fields of ``status`` to write over ``previous`` (the live status), or None on a quiet tick."""
+    changes: dict[str, Any] = {}
+    for key, value in status.items():
+        old = previous.get(key)
+        if key == "lastDecision":
+            old = old or {}
+            changed = any(old.get(k) != value.get(k) for k in _DECISION_KEYS)
+        else:
+            changed = _without_nulls(old) != _without_nulls(value)
+        if changed:
+            changes[key] = value
+    return changes or None
+
+
 def describe(decision: Decision, current: int) -> str:
     """One line with the facts behind a decision, for the Event and the log."""
     m = decision.metrics
@@ -94,7 +126,8 @@ async def autoscale_once(
     body: Mapping[str, Any],
     now: float,
 ) -> Optional[dict[str, Any]]:
-    """Run one tick; returns the status fields to patch, or None when there is nothing to scale yet."""
+    """Run one tick; returns the status fields to patch, or None when there is nothing to scale yet or nothing
+    changed. Before a scale-down, each Ready pod's deletion cost says how busy it is (see ``deletion_cost``)."""
     spec: ModelDeploymentSpec = parse_spec(body)
     owner = Owner.from_body(body)
     deployment_path = object_path("apps/v1", "deployments", owner.namespace, owner.name)
@@ -106,6 +139,8 @@ async def autoscale_once(
     samples = await sample_pods(session, pods, spec.served_model_name)
     state = from_status((body.get("status") or {}).get("autoscaler"))
     decision = decide(samples, state, spec.autoscaling, current, now)
+    if decision.desired < current:
+        await write_deletion_costs(kube, owner.namespace, deletion_costs(pods, samples))
     if decision.desired != current:
         await kube.apply(
             {
@@ -121,4 +156,4 @@ async def autoscale_once(
         logger.info(f"ModelDeployment {owner.namespace}/{owner.name}: {message}")
     else:
         logger.debug(f"ModelDeployment {owner.namespace}/{owner.name}: {describe(decision, current)}")
-    return decision_status(decision, current)
+    return status_update(body.get("status") or {}, decision_status(decision, current))

@@ -1,5 +1,11 @@
 """The engine Deployment: args from the spec, probes, volumes, GPU resources, placement and a graceful drain.
 
+Rollouts (``spec.rollout``) follow the Deployment's RollingUpdate, by default one surge pod and none unavailable:
+a new pod must be Ready before an old one stops, so a one-replica model keeps serving through a spec change. A
+stopping pod first sleeps in preStop (endpoints stop sending it traffic), then the engine drains its in-flight
+requests for up to ``spec.drainSeconds`` (``--shutdown-timeout``); ``terminationGracePeriodSeconds`` covers both
+plus a margin, so the kubelet never kills a draining engine.
+
 Hub and S3 models are fetched by an init container (``pagoda download``, same image) into the model cache before
 the engine starts, so the engine's startup probe never counts download time and the engine itself runs offline
 (``PAGODA_OFFLINE=1``: only the cached files). Both containers report a failure as a one-line termination message
@@ -27,7 +33,7 @@ from pagoda_operator.spec import ModelDeploymentSpec
 
 CACHE_MOUNT = "/var/cache/pagoda"
 CHAT_TEMPLATE_MOUNT = "/etc/pagoda/chat-template"
-# Extra seconds past preStop + the engine's shutdown timeout before the kubelet sends SIGKILL.
+# Extra seconds past preStop + the engine's drain time before the kubelet sends SIGKILL.
 GRACE_MARGIN_SECONDS = 10
 
 
@@ -60,7 +66,7 @@ def engine_args(spec: ModelDeploymentSpec) -> list[str]:
     template = spec.chat_template
     if template is not None:
         args += ["--chat-template", template.inline or f"{CHAT_TEMPLATE_MOUNT}/{template.config_map.key}"]
-    args += ["--shutdown-timeout", str(spec.shutdown_timeout_seconds)]
+    args += ["--shutdown-timeout", str(spec.drain_seconds)]
     return args + list(spec.extra_args)
 
 
@@ -216,6 +222,11 @@ def _download_container(spec: ModelDeploymentSpec) -> dict[str, Any]:
     return container
 
 
+def grace_period_seconds(spec: ModelDeploymentSpec) -> int:
+    """The pod's ``terminationGracePeriodSeconds``: preStop sleep, then the engine's drain, then a margin."""
+    return PRESTOP_SLEEP_SECONDS + spec.drain_seconds + GRACE_MARGIN_SECONDS
+
+
 def _pod_spec(spec: ModelDeploymentSpec, owner: Owner) -> dict[str, Any]:
     tolerations = [dict(t) for t in spec.tolerations]
     if spec.gpus > 0 and not any(t.get("key") == "nvidia.com/gpu" for t in tolerations):
@@ -224,7 +235,7 @@ def _pod_spec(spec: ModelDeploymentSpec, owner: Owner) -> dict[str, Any]:
         "containers": [_container(spec, owner)],
         **({"initContainers": [_download_container(spec)]} if spec.model.downloaded else {}),
         "volumes": _volumes(spec, owner)[0],
-        "terminationGracePeriodSeconds": PRESTOP_SLEEP_SECONDS + spec.shutdown_timeout_seconds + GRACE_MARGIN_SECONDS,
+        "terminationGracePeriodSeconds": grace_period_seconds(spec),
         "securityContext": {
             "runAsNonRoot": True,
             "runAsUser": 10001,
@@ -246,10 +257,11 @@ def build_deployment(spec: ModelDeploymentSpec, owner: Owner, *, include_replica
     """The engine Deployment. See the module docstring for when ``include_replicas`` may be False."""
     deployment_spec: dict[str, Any] = {
         "selector": {"matchLabels": selector_labels(owner)},
-        # GPU nodes rarely have a spare GPU for a surge pod: replace one pod at a time instead.
+        # CPU and GPU alike: surge first by default (see the module docstring); spec.rollout trades that for
+        # needing no spare capacity (maxSurge 0, maxUnavailable 1).
         "strategy": {
             "type": "RollingUpdate",
-            "rollingUpdate": {"maxSurge": 0 if spec.gpus else 1, "maxUnavailable": 1 if spec.gpus else 0},
+            "rollingUpdate": {"maxSurge": spec.rollout.max_surge, "maxUnavailable": spec.rollout.max_unavailable},
         },
         "template": {"metadata": {"labels": child_labels(owner)}, "spec": _pod_spec(spec, owner)},
     }
