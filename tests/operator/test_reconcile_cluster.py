@@ -187,6 +187,19 @@ def test_a_resource_created_autoscaled_starts_at_min_replicas(cluster, operator)
     assert owners == {"pagoda-autoscaler"} and deployment(cluster, "born-scaled")["spec"]["replicas"] == 2
 
 
+def test_a_quiet_hpa_is_not_re_applied_on_every_pass(cluster, operator) -> None:
+    # v1.24 returns a dry-run apply of an autoscaling/v2 HPA with its first metric duplicated (kubernetes#118293):
+    # compared naively, every reconcile re-applied the HPA and posted an Updated Event (found at 200 resources).
+    apply_md(cluster, "quiet-hpa", autoscaling={"enabled": True, "mode": "hpa", "minReplicas": 1, "maxReplicas": 3})
+    hpa = wait_for("the HPA", lambda: cluster.get("horizontalpodautoscaler", "quiet-hpa", NS), 60)
+    assert len(hpa["spec"]["metrics"]) == 1
+    settle(cluster, "quiet-hpa")
+    version = cluster.get("horizontalpodautoscaler", "quiet-hpa", NS)["metadata"]["resourceVersion"]
+    time.sleep(3 * INTERVAL)  # three periodic reconciles
+    assert cluster.get("horizontalpodautoscaler", "quiet-hpa", NS)["metadata"]["resourceVersion"] == version
+    assert not [e for e in events(cluster, "quiet-hpa", "Updated") if "HorizontalPodAutoscaler" in e["message"]]
+
+
 def test_deleting_the_resource_deletes_its_children(cluster, operator) -> None:
     apply_md(cluster, "doomed", autoscaling={"enabled": True, "mode": "hpa", "maxReplicas": 3})
     wait_for("the HPA", lambda: cluster.get("horizontalpodautoscaler", "doomed", NS), 60)

@@ -50,6 +50,15 @@ def comparable(obj: Mapping[str, Any]) -> dict[str, Any]:
     """``obj`` without its status and the metadata the API server bumps on every write."""
     out = {k: v for k, v in obj.items() if k != "status"}
     out["metadata"] = {k: v for k, v in (obj.get("metadata") or {}).items() if k not in _VOLATILE_METADATA}
+    if obj.get("kind") == "HorizontalPodAutoscaler" and isinstance((obj.get("spec") or {}).get("metrics"), list):
+        # API servers before 1.28 return a dry-run apply of an autoscaling/v2 HPA with its first metric duplicated
+        # (kubernetes#118293); the real apply never stores the copy. Compared with duplicates dropped, a quiet
+        # reconcile does not re-apply (and announce) every HPA on every pass.
+        metrics: list[Any] = []
+        for metric in obj["spec"]["metrics"]:
+            if metric not in metrics:
+                metrics.append(metric)
+        out["spec"] = {**obj["spec"], "metrics": metrics}
     return out
 
 
