@@ -192,9 +192,13 @@ def _download_hf(
         raise ModelSourceError(DOWNLOAD_FAILED, repo_id, f"the download failed: {type(exc).__name__}: {exc}") from None
     path = Path(folder)
     if not (path / marker).is_file():
-        what = "a model" if marker == "config.json" else "an adapter"
-        raise ModelSourceError(MODEL_NOT_FOUND, repo_id, f"the repository has no {marker}: not {what}")
+        raise ModelSourceError(MODEL_NOT_FOUND, repo_id, f"the repository has no {marker}: not {kind_of(marker)}")
     return path
+
+
+def kind_of(marker: str) -> str:
+    """What a download that must bring ``marker`` fetches, for messages."""
+    return "a model" if marker == "config.json" else "an adapter"
 
 
 def _repository_error(repo_id: str, exc: Exception) -> ModelSourceError:

@@ -33,6 +33,7 @@ from pagoda.model_source import (
     ModelSource,
     ModelSourceError,
     _os_error,
+    kind_of,
     read_completion_marker,
 )
 
@@ -72,8 +73,7 @@ def _download(source: ModelSource, folder: Path, url: str, marker: str) -> None:
     client = boto3.client("s3")
     objects = _list(client, source)
     if marker not in objects:
-        what = "a model" if marker == "config.json" else "an adapter"
-        raise ModelSourceError(MODEL_NOT_FOUND, url, f"no {marker} under this prefix: not {what}")
+        raise ModelSourceError(MODEL_NOT_FOUND, url, f"no {marker} under this prefix: not {kind_of(marker)}")
     (folder / _S3_COMPLETE).unlink(missing_ok=True)  # from here until the end the folder is not complete
     fetched = _read_json(folder / _S3_FILES)  # what earlier (maybe interrupted) downloads finished
     todo = {name: info for name, info in objects.items() if not _have(folder, name, info, fetched)}

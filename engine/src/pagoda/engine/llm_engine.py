@@ -192,8 +192,9 @@ class LLMEngine(LoRAEngineMixin):
         final output with ``error`` set; the other requests of the step carry on.
         """
         grammar_failures = self._poll_grammars()
-        if self.runner.lora is not None:  # weights of unloaded adapters go once no request uses them
-            self.runner.lora.release_unused({r.lora_id for r in self.scheduler.requests.values()} - {None})
+        lora = self.runner.lora
+        if lora is not None and lora.has_unloaded_in_use:  # their weights go once no request uses them
+            lora.release_unused({r.lora_id for r in self.scheduler.requests.values()} - {None})
         plan = self.scheduler.schedule()
         self.last_step_num_tokens = plan.num_batched_tokens
         if plan.is_empty:

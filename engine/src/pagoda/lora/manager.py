@@ -145,6 +145,12 @@ class LoRAManager:
 
     # ---- engine thread ----------------------------------------------------------------------
 
+    @property
+    def has_unloaded_in_use(self) -> bool:
+        """Whether some unloaded adapter's weights are still kept (for requests that were running on it)."""
+        with self._lock:
+            return len(self._records) > len(self._by_name)
+
     def release_unused(self, in_use: set[int]) -> None:
         """Forget unloaded adapters that no request uses any more (host weights and slot)."""
         with self._lock:
