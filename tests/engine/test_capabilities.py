@@ -49,9 +49,13 @@ def serve_error(*args: str) -> subprocess.CompletedProcess[str]:
 
 def test_tensor_parallelism_and_lora_beyond_the_contract_are_refused_before_the_server_starts() -> None:
     data = contract()
-    if data["devices"]["cpu"]["tensor_parallel_max"] < 2:
-        result = serve_error("--tensor-parallel-size", "2")
-        assert result.returncode == 2 and "UnsupportedSpec: --tensor-parallel-size 2 is not supported" in result.stderr
+    beyond = str(data["devices"]["cpu"]["tensor_parallel_max"] + 1)
+    result = serve_error("--tensor-parallel-size", beyond)
+    assert (
+        result.returncode == 2 and f"UnsupportedSpec: --tensor-parallel-size {beyond} is not supported" in result.stderr
+    )
+    result = serve_error("--tensor-parallel-size", "2", "--enable-lora")
+    assert result.returncode == 2 and "--enable-lora is not supported with --tensor-parallel-size" in result.stderr
     if not data["lora"]["supported"]:
         result = serve_error("--enable-lora")
         assert result.returncode == 2 and "UnsupportedSpec: LoRA" in result.stderr

@@ -30,7 +30,7 @@ NAMESPACE = "pagoda-test"
 HF_TOKEN = "hf_test_token"
 API_KEY = "k-123"
 # Examples the engine cannot serve yet; the operator must refuse them naming this field (see the capability contract).
-REFUSED = {"four-gpus-quantized-lora.yaml": "spec.gpus"}
+REFUSED = {"four-gpus-quantized-lora.yaml": "spec.quantization"}
 VALID = sorted(p.name for p in EXAMPLES.glob("*.yaml"))
 INVALID = sorted(p.name for p in (EXAMPLES / "invalid").glob("*.yaml"))
 
@@ -227,3 +227,61 @@ def test_the_model_column_shows_the_served_name_even_when_it_is_defaulted(cluste
     table = cluster.kubectl("get", "modeldeployment", "defaulted-name", "-n", NAMESPACE).stdout.splitlines()
     row = dict(zip(table[0].split(), table[1].split()))
     assert row["MODEL"] == "defaulted-name"
+
+
+def test_two_gpus_are_one_pod_whose_two_workers_serve(cluster, operator, tmp_path) -> None:
+    # The rendered pod of gpus: 2, run here: no GPU, so the engine's two workers split the model over gloo on the
+    # CPU, with the pod's environment (NCCL and gloo on the loopback) and flags.
+    manifest = tmp_path / "md.yaml"
+    body = yaml.safe_load((EXAMPLES / "cpu-builtin.yaml").read_text())
+    body["metadata"]["name"] = "two-gpus"
+    body["spec"]["gpus"] = 2
+    manifest.write_text(yaml.safe_dump(body))
+    result, md = apply(cluster, manifest)
+    assert result.returncode == 0, result.stderr
+    assert "shmSize" not in cluster.get("modeldeployment", md, NAMESPACE)["spec"]  # no CRD default: sized by gpus
+    deployment = wait_for("the Deployment", lambda: cluster.get("deployment", md, NAMESPACE), 60)
+    pod = deployment["spec"]["template"]["spec"]
+    (engine,) = pod["containers"]
+    assert engine["args"][engine["args"].index("--tensor-parallel-size") + 1] == "2"
+    assert {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "2Gi"}} in pod["volumes"]
+    env = {item["name"]: item.get("value") for item in engine["env"]}
+    assert env["NCCL_DEBUG"] == "WARN" and env["NCCL_SOCKET_IFNAME"] == env["GLOO_SOCKET_IFNAME"] == "lo"
+    extra_env = {"PAGODA_CACHE_DIR": str(Path.home() / ".cache" / "pagoda")}
+    volumes = {v["name"]: tmp_path / v["name"] for v in pod["volumes"]}
+    for folder in volumes.values():
+        folder.mkdir()
+    local = run_pod_locally(cluster, NAMESPACE, pod, volumes, extra_env, tmp_path / "engine.log")
+    try:
+        client = openai.OpenAI(base_url=local.server.base_url, api_key="unused", max_retries=0)
+        completion = client.completions.create(model="stories260K", prompt="Once upon a time", max_tokens=4)
+        assert completion.choices[0].finish_reason == "length" and completion.usage.completion_tokens == 4
+        assert "rank 1" in local.server.log()  # the second worker took part
+    finally:
+        local.server.stop()
+
+
+@pytest.mark.parametrize(
+    ("name", "change", "field", "words"),
+    [
+        ("tp-eight", {"gpus": 8}, "spec.gpus", "intermediate_size 172 is not divisible by 8"),
+        ("tp-lora", {"gpus": 2, "loraAdapters": []}, "spec.loraAdapters", "set gpus to 1, or remove loraAdapters"),
+    ],
+)
+def test_tensor_parallel_specs_the_engine_cannot_serve_are_refused_naming_the_field(
+    cluster, operator, tmp_path, name: str, change: dict[str, Any], field: str, words: str
+) -> None:
+    manifest = tmp_path / "md.yaml"
+    body = yaml.safe_load((EXAMPLES / "cpu-builtin.yaml").read_text())
+    body["metadata"]["name"] = name
+    body["spec"].update(change)
+    manifest.write_text(yaml.safe_dump(body))
+    result, md = apply(cluster, manifest)
+    assert result.returncode == 0, result.stderr  # admitted: only the operator knows the engine's contract
+    degraded = wait_for(
+        "InvalidSpec",
+        lambda: condition(cluster.get("modeldeployment", md, NAMESPACE) or {}, "Degraded").get("message"),
+        60,
+    )
+    assert field in degraded and words in degraded, degraded
+    assert cluster.get("deployment", md, NAMESPACE) is None

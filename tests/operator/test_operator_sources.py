@@ -64,7 +64,9 @@ def refused(**spec: Any) -> InvalidSpec:
 @pytest.mark.parametrize(
     ("spec", "field", "words"),
     [
-        ({"gpus": 4}, "spec.gpus", "tensor parallelism 4"),
+        ({"gpus": 9}, "spec.gpus", "tensor parallelism 9; this engine serves at most 8"),
+        ({"gpus": 8}, "spec.gpus", "intermediate_size 172 is not divisible by 8"),  # the built-in model
+        ({"gpus": 2, "loraAdapters": []}, "spec.loraAdapters", "not serve LoRA adapters with tensor parallelism"),
         ({"gpus": 1, "quantization": "awq"}, "spec.quantization", "awq is not served on cuda"),
         ({"gpus": 1, "quantization": "fp8"}, "spec.quantization", "fp8 is not served on cuda"),
         ({"engine": {"extraArgs": ["--no-such-flag"]}}, "spec.engine.extraArgs[0]", "not a flag of pagoda serve"),
@@ -82,6 +84,8 @@ def test_specs_inside_the_contract_pass() -> None:
     for spec in (
         {},
         {"gpus": 1},
+        {"gpus": 4},
+        {"gpus": 8, "model": {"source": "Qwen/Qwen3-0.6B"}},
         {"quantization": "int8"},
         {"model": {"source": "s3://models/qwen3"}},
         {"model": {"source": "hf://Qwen/Qwen3-0.6B", "revision": "main"}},
@@ -117,8 +121,18 @@ def test_the_operators_lora_rules_are_the_engines() -> None:
 
 def test_the_flagship_example_is_refused_until_the_engine_serves_it() -> None:
     spec = parse_spec(example_body("four-gpus-quantized-lora.yaml"))
-    with pytest.raises(InvalidSpec, match="spec.gpus"):
-        check_capabilities(spec)
+    contract = engine_capabilities()
+    with pytest.raises(InvalidSpec) as info:  # tensor parallelism 4 is served; AWQ is not
+        check_capabilities(spec, contract)
+    assert info.value.field == "spec.quantization"
+    with_awq = {
+        **contract,
+        "devices": {**contract["devices"], "cuda": {**contract["devices"]["cuda"], "quantization": ["awq"]}},
+    }
+    with pytest.raises(InvalidSpec) as info:  # nor are LoRA adapters with tensor parallelism
+        check_capabilities(spec, with_awq)
+    assert info.value.field == "spec.loraAdapters"
+    check_capabilities(spec, {**with_awq, "lora": {**contract["lora"], "tensor_parallel": True}})
 
 
 # ---- model sources in the Deployment -----------------------------------------------------------------------------

@@ -20,7 +20,13 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 # Quantization methods and the devices that run them (weight-only int8 has CPU kernels only).
 QUANTIZATION_DEVICES: dict[str, tuple[str, ...]] = {"int8": ("cpu",)}
 KV_CACHE_DTYPES = ("auto",)
-TENSOR_PARALLEL_MAX = 1  # a single device per replica
+# Tensor parallelism within one node: one worker process per device (GPUs over NCCL, CPU processes over gloo).
+TENSOR_PARALLEL_MAX = 8
+# Adapters are not sharded across tensor-parallel ranks yet: --enable-lora needs --tensor-parallel-size 1.
+LORA_WITH_TENSOR_PARALLEL = False
+# The model sizes a tensor-parallel size must divide (vocab is padded, so it need not); num_key_value_heads must
+# divide it or be divisible by it (fewer KV heads than ranks are replicated).
+TENSOR_PARALLEL_DIVIDES = ("num_attention_heads", "intermediate_size")
 LORA_SUPPORTED = True
 LORA_RANKS = (8, 16, 32, 64, 128, 256)  # the slot widths --max-lora-rank takes (vLLM's choices)
 DEFAULT_MAX_LORAS = 4  # --max-loras
@@ -50,9 +56,28 @@ def capabilities(serve_parser: argparse.ArgumentParser) -> dict[str, Any]:
             "default_max_loras": DEFAULT_MAX_LORAS,
             "default_max_lora_rank": DEFAULT_MAX_LORA_RANK,
             "runtime_updates": True,
+            "tensor_parallel": LORA_WITH_TENSOR_PARALLEL,
+        },
+        "tensor_parallel": {
+            "divides": list(TENSOR_PARALLEL_DIVIDES),
+            "kv_heads": "divides or is divisible by the tensor-parallel size (replicated when fewer than ranks)",
+            "builtin_model": builtin_model_geometry(),
         },
         "chat_template": True,
         "serve_flags": serve_flags(serve_parser),
+    }
+
+
+def builtin_model_geometry() -> dict[str, int]:
+    """The built-in model's sizes that tensor parallelism divides, so the operator can check them without it."""
+    from pagoda.config import builtin_model_path
+    from pagoda.model_config import ModelConfig
+
+    config = ModelConfig.from_model_dir(builtin_model_path())
+    return {
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_key_value_heads,
+        "intermediate_size": config.intermediate_size,
     }
 
 

@@ -14,6 +14,7 @@ from pagoda.cli_models import add_model_arg, add_model_commands
 from pagoda.cli_serve import add_serve_args, run_serve
 from pagoda.config import (
     DEFAULT_BLOCK_SIZE,
+    DEFAULT_DISTRIBUTED_TIMEOUT_S,
     DEFAULT_GPU_MEMORY_UTILIZATION,
     DEFAULT_MAX_LORA_RANK,
     DEFAULT_MAX_LORAS,
@@ -97,6 +98,21 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "json.dumps writes it, which no model can pad with whitespace until max_tokens",
     )
     _add_lora_args(parser)
+    parser.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=1,
+        help="split the model over this many devices (CPU: processes sharing the cores), one process each; it must "
+        "divide the model's attention heads and intermediate size",
+    )
+    parser.add_argument(
+        "--distributed-timeout-seconds",
+        type=float,
+        default=DEFAULT_DISTRIBUTED_TIMEOUT_S,
+        help="tensor parallelism: a rank that does not reach a collective within this time (dead or hung) stops "
+        "the engine, and the server exits non-zero",
+    )
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log level")
 
 
@@ -154,6 +170,8 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
         max_loras=ns.max_loras,
         max_lora_rank=ns.max_lora_rank,
         max_cpu_loras=ns.max_cpu_loras,
+        tensor_parallel_size=ns.tensor_parallel_size,
+        distributed_timeout_seconds=ns.distributed_timeout_seconds,
     )
 
 

@@ -59,8 +59,10 @@ def _reject_unsupported(ns: argparse.Namespace) -> None:
     if ns.tensor_parallel_size > caps.TENSOR_PARALLEL_MAX:
         raise ValueError(
             f"--tensor-parallel-size {ns.tensor_parallel_size} is not supported: this engine serves at most "
-            f"{caps.TENSOR_PARALLEL_MAX} device per replica"
+            f"{caps.TENSOR_PARALLEL_MAX} devices per replica"
         )
+    if ns.tensor_parallel_size > 1 and ns.enable_lora and not caps.LORA_WITH_TENSOR_PARALLEL:
+        raise ValueError("--enable-lora is not supported with --tensor-parallel-size above 1 yet")
     if (ns.lora_modules or ns.lora_modules_file or ns.allow_runtime_lora_updates) and not ns.enable_lora:
         raise ValueError("--lora-modules, --lora-modules-file and --allow-runtime-lora-updates need --enable-lora")
 
@@ -129,7 +131,6 @@ def add_serve_args(serve: argparse.ArgumentParser) -> None:
         choices=list(REASONING_PARSER_NAMES),
         help="split <think>...</think> into reasoning_content (qwen3, deepseek_r1)",
     )
-    serve.add_argument("--tensor-parallel-size", type=int, default=1, help="not supported yet beyond 1")
     serve.add_argument(
         "--lora-modules",
         nargs="+",

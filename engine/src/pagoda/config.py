@@ -17,6 +17,8 @@ DEFAULT_MAX_NUM_SEQS = 256
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 DEFAULT_CPU_KV_CACHE_MEMORY = 4 * 1024**3
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.92
+# How long a collective waits for a slow rank before the engine gives up on it (a dead or hung worker).
+DEFAULT_DISTRIBUTED_TIMEOUT_S = 60.0
 
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2}
 _SIZE_UNITS |= {"g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4, "tb": 1000**4, "tib": 1024**4}
@@ -73,6 +75,10 @@ class EngineArgs:
     max_loras: int = DEFAULT_MAX_LORAS  # adapters resident at once (and the most one step may mix)
     max_lora_rank: int = DEFAULT_MAX_LORA_RANK
     max_cpu_loras: Optional[int] = None  # adapters kept in host memory; None: max_loras
+    # Tensor parallelism: one model over this many devices (CPU: processes), one worker process per extra rank.
+    tensor_parallel_size: int = 1
+    # A collective that waits longer than this for a rank (dead or hung) fails, and the engine with it.
+    distributed_timeout_seconds: float = DEFAULT_DISTRIBUTED_TIMEOUT_S
 
     def resolved_model_path(self) -> Path:
         """The local folder of the model, downloading it first when it is remote (see ``pagoda.model_source``)."""
@@ -114,8 +120,24 @@ class EngineArgs:
                 f"structured_output_max_whitespace must be >= 0, got {self.structured_output_max_whitespace}"
             )
         self._validate_lora()
+        self._validate_parallelism()
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")
+
+    def _validate_parallelism(self) -> None:
+        from pagoda.capabilities import TENSOR_PARALLEL_MAX
+
+        if not 1 <= self.tensor_parallel_size <= TENSOR_PARALLEL_MAX:
+            raise ValueError(
+                f"tensor_parallel_size must be between 1 and {TENSOR_PARALLEL_MAX}, got {self.tensor_parallel_size}"
+            )
+        if self.tensor_parallel_size > 1 and self.enable_lora:
+            raise ValueError(
+                "LoRA adapters are not served with tensor parallelism yet: use --tensor-parallel-size 1 with "
+                "--enable-lora"
+            )
+        if self.distributed_timeout_seconds <= 0:
+            raise ValueError(f"distributed_timeout_seconds must be positive, got {self.distributed_timeout_seconds}")
 
     def _validate_lora(self) -> None:
         if self.max_loras < 1:

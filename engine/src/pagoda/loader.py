@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 from safetensors import safe_open
 from torch import nn
 from tqdm.auto import tqdm
 
+from pagoda.distributed.parallel import SINGLE, TensorParallel
 from pagoda.model_config import ModelConfig
 from pagoda.models.registry import get_model_class
 from pagoda.worker.attention import AttentionBackend
@@ -46,17 +47,20 @@ def safetensors_files(model_dir: Union[str, Path]) -> list[Path]:
 
 
 def iterate_safetensors(
-    model_dir: Union[str, Path], device: Union[str, torch.device] = "cpu"
+    model_dir: Union[str, Path],
+    device: Union[str, torch.device] = "cpu",
+    read: Optional[Callable[[str, Any], torch.Tensor]] = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (name, tensor) for every tensor of the checkpoint, one shard open at a time.
 
-    A progress bar is shown only for sharded checkpoints (single files load in a blink).
+    ``read(name, lazy_slice)`` picks the part of each tensor to read (a tensor-parallel rank's shard): only those
+    bytes are read from the file. A progress bar is shown only for sharded checkpoints.
     """
     files = safetensors_files(model_dir)
     for file in tqdm(files, desc="Loading safetensors shards", unit="shard", disable=len(files) < 2):
         with safe_open(str(file), framework="pt", device=str(device)) as f:
             for name in f.keys():  # noqa: SIM118 (safe_open objects are not iterable)
-                yield name, f.get_tensor(name)
+                yield name, f.get_tensor(name) if read is None else read(name, f.get_slice(name))
 
 
 def load_model(
@@ -65,15 +69,18 @@ def load_model(
     dtype: torch.dtype,
     device: Union[str, torch.device] = "cpu",
     config: Optional[ModelConfig] = None,
+    tp: TensorParallel = SINGLE,
 ) -> nn.Module:
-    """Instantiate the checkpoint's architecture on ``device`` in ``dtype`` and load its weights.
+    """Instantiate the checkpoint's architecture on ``device`` in ``dtype`` and load its weights (under tensor
+    parallelism, this rank's shard of them).
 
     ``config`` may be passed when the caller already parsed it; otherwise it is read from the directory.
     """
     config = config if config is not None else ModelConfig.from_model_dir(model_dir)
     model_cls = get_model_class(config.architecture)
     with torch.device(device):
-        model = model_cls(config, attn_backend, dtype)
+        model = model_cls(config, attn_backend, dtype, tp=tp)
+    read = model.read_shard if tp.world_size > 1 else None
     # Cast on the device the tensor was loaded to, so a GPU load never holds an fp32 copy on the host.
-    model.load_weights((name, tensor.to(dtype)) for name, tensor in iterate_safetensors(model_dir, device))
+    model.load_weights((name, tensor.to(dtype)) for name, tensor in iterate_safetensors(model_dir, device, read))
     return model.eval()

@@ -65,6 +65,7 @@ def check_capabilities(spec: ModelDeploymentSpec, contract: dict[str, Any] | Non
             f"{spec.gpus} GPUs per replica needs tensor parallelism {spec.gpus}; this engine serves at most "
             f"{served['tensor_parallel_max']}",
         )
+    _check_builtin_geometry(spec, contract)
     if spec.quantization is not None and spec.quantization not in served["quantization"]:
         offered = ", ".join(served["quantization"]) or "none"
         raise InvalidSpec(
@@ -88,6 +89,14 @@ def _check_lora(spec: ModelDeploymentSpec, contract: dict[str, Any]) -> None:
     lora = contract["lora"]
     if not lora["supported"]:
         raise InvalidSpec("spec.loraAdapters", "this engine does not serve LoRA adapters")
+    if spec.gpus > 1 and not lora.get("tensor_parallel", False):
+        # the engine refuses --enable-lora with --tensor-parallel-size > 1 at start-up: refuse it here, before a
+        # pod holds N GPUs only to crash-loop
+        raise InvalidSpec(
+            "spec.loraAdapters",
+            f"this engine does not serve LoRA adapters with tensor parallelism (spec.gpus is {spec.gpus}): "
+            "set gpus to 1, or remove loraAdapters",
+        )
     ranks = lora.get("ranks", [])
     if spec.max_lora_rank is not None and ranks and spec.max_lora_rank not in ranks:
         raise InvalidSpec(
@@ -98,6 +107,31 @@ def _check_lora(spec: ModelDeploymentSpec, contract: dict[str, Any]) -> None:
             raise InvalidSpec(
                 f"spec.loraAdapters[{index}].source", f"this engine cannot load {adapter.source.kind} sources"
             )
+
+
+def _check_builtin_geometry(spec: ModelDeploymentSpec, contract: dict[str, Any]) -> None:
+    """The built-in model must split evenly over ``spec.gpus`` ranks, by the engine's own rule (``tensor_parallel``
+    in the contract). Only the built-in model's sizes are known here: any other model is checked by the engine when
+    it loads the model's config, and a size that does not divide fails its start-up (``UnsupportedSpec``)."""
+    rule = contract.get("tensor_parallel")
+    if spec.gpus <= 1 or spec.model.kind != "builtin" or not rule:
+        return
+    problem = tensor_parallel_problem(rule["builtin_model"], rule["divides"], spec.gpus)
+    if problem:
+        raise InvalidSpec("spec.gpus", f"tensor parallelism {spec.gpus} cannot split the built-in model: {problem}")
+
+
+def tensor_parallel_problem(sizes: dict[str, int], divides: list[str], size: int) -> str | None:
+    """Why ``size`` ranks cannot shard a model of ``sizes`` (None when they can): each of ``divides`` must be a
+    multiple of ``size``; ``num_key_value_heads`` must divide ``size`` or be a multiple of it (fewer KV heads than
+    ranks are replicated). The vocabulary is padded by the engine, so it need not divide."""
+    for name in divides:
+        if sizes[name] % size:
+            return f"{name} {sizes[name]} is not divisible by {size}"
+    kv_heads = sizes.get("num_key_value_heads")
+    if kv_heads and kv_heads % size and size % kv_heads:
+        return f"num_key_value_heads {kv_heads} neither divides nor is divisible by {size}"
+    return None
 
 
 def _check_extra_args(args: tuple[str, ...], flags: set[str]) -> None:

@@ -155,7 +155,7 @@ class ModelDeploymentSpec:
     api_key_secret_name: Optional[str] = None
     api_key_secret_key: str = "api-key"
     model_cache: ModelCache = field(default_factory=ModelCache)
-    shm_size: str = "1Gi"
+    shm_size: Optional[str] = None  # spec.shmSize as given; unset: sized from gpus (builders.parallel)
     service_type: str = "ClusterIP"
     service_port: int = 8000
 
@@ -372,7 +372,7 @@ def parse_spec(body: Mapping[str, Any]) -> ModelDeploymentSpec:
         api_key_secret_name=api_key.get("name"),
         api_key_secret_key=str(api_key.get("key", "api-key")),
         model_cache=_parse_cache(spec.get("modelCache") or {}),
-        shm_size=str(spec.get("shmSize", "1Gi")),
+        shm_size=str(spec["shmSize"]) if spec.get("shmSize") is not None else None,
         service_type=str(service.get("type", "ClusterIP")),
         service_port=int(service.get("port", 8000)),
     )

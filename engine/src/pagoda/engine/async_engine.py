@@ -50,6 +50,13 @@ class _Abort:
     request_id: str
 
 
+@dataclass
+class _Fatal:
+    """The engine can make no progress (a tensor-parallel worker died): stop the loop with ``error``."""
+
+    error: BaseException
+
+
 class RequestStream:
     """The outputs of one submitted request, iterated once (see :meth:`AsyncLLMEngine.submit`).
 
@@ -113,7 +120,7 @@ class AsyncLLMEngine:
         self.engine = engine
         self._on_step = on_step
         self._on_dead = on_dead
-        self._inbox: queue.SimpleQueue[Union[_Add, _Abort, None]] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[Union[_Add, _Abort, _Fatal, None]] = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         # Adds submitted and not yet in the scheduler (or rejected by it), and the sequences they stand
         # for. The engine thread lowers them only after add_request returns, so num_waiting may briefly
@@ -125,6 +132,8 @@ class AsyncLLMEngine:
         self.error: Optional[BaseException] = None
         self._thread = threading.Thread(target=self._run, name="pagoda-engine", daemon=True)
         self._thread.start()
+        # A dead worker wakes an idle loop too (a busy one fails in its next collective anyway).
+        engine.add_death_listener(lambda error: self._inbox.put(_Fatal(error)))
 
     @property
     def num_waiting(self) -> int:
@@ -184,10 +193,12 @@ class AsyncLLMEngine:
         self._inbox.put(_Abort(request_id))
 
     def shutdown(self, timeout: Optional[float] = None) -> None:
-        """Stop the engine thread after its current step; unfinished requests get EngineDeadError."""
+        """Stop the engine thread after its current step (and the tensor-parallel workers); unfinished requests
+        get EngineDeadError."""
         self._stopping.set()
         self._inbox.put(None)
         self._thread.join(timeout)
+        self.engine.shutdown()
 
     def _check_alive(self) -> None:
         if self.error is not None:
@@ -220,6 +231,8 @@ class AsyncLLMEngine:
         command = self._inbox.get() if block else _get_nowait(self._inbox)
         applied = command is not None
         while command is not None:
+            if isinstance(command, _Fatal):
+                raise command.error
             if isinstance(command, _Add):
                 self._add(command)
             else:

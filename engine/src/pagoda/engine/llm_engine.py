@@ -20,8 +20,8 @@ from pagoda.core.scheduler import Scheduler
 from pagoda.cpu import keep_freed_memory
 from pagoda.engine.lora_requests import LoRAEngineMixin
 from pagoda.engine.output_processor import OutputProcessor
+from pagoda.engine.runner_setup import start_model_runner
 from pagoda.layers.linear_kernels import validate_quantization
-from pagoda.lora.manager import LoRASettings
 from pagoda.model_config import ModelConfig, resolve_dtype
 from pagoda.outputs import RequestOutput
 from pagoda.request import Request, RequestStatus, sequence_id
@@ -31,8 +31,6 @@ from pagoda.structured_output.grammar import RequestGrammar
 from pagoda.structured_output.params import StructuredOutputsParams
 from pagoda.tokenizer import encode_prompt, get_tokenizer
 from pagoda.worker.attention_triton import resolve_attention_backend
-from pagoda.worker.kv_sizing import check_fits, cpu_num_blocks, gpu_num_blocks
-from pagoda.worker.model_runner import ModelRunner
 from pagoda.worker.sampler import validate_for_vocab
 
 logger = logging.getLogger(__name__)
@@ -79,36 +77,8 @@ class LLMEngine(LoRAEngineMixin):
         torch.manual_seed(args.seed)
         backend = resolve_attention_backend(args.attention_backend, self.device)
         logger.info("attention backend: %s (%s)", backend, args.attention_backend)
-        lora = (
-            LoRASettings(args.max_loras, args.max_lora_rank, args.max_cpu_loras, args.download_dir)
-            if args.enable_lora
-            else None
-        )
-        self.runner = ModelRunner(
-            self.model_config, model_path, self.dtype, self.device, backend, quantization=args.quantization, lora=lora
-        )
-        shape = self.runner.kv_cache_shape(args.block_size)
-        if self.device.type == "cpu":
-            num_blocks = cpu_num_blocks(shape, args.kv_cache_memory, args.max_num_seqs, self.max_model_len)
-            check_fits(num_blocks, shape, self.max_model_len, "raise --kv-cache-memory")
-        else:
-            profile_tokens = min(scheduler_config.max_num_batched_tokens, self.max_model_len)
-            num_blocks = gpu_num_blocks(
-                shape, args.gpu_memory_utilization, self.device, lambda: self.runner.profile_run(profile_tokens)
-            )
-            check_fits(num_blocks, shape, self.max_model_len, "raise --gpu-memory-utilization")
-        self.runner.allocate_kv_cache(shape, num_blocks)
-        if self.device.type == "cuda" and backend == "triton" and not args.enforce_eager:
-            self.runner.capture_cuda_graphs(args.max_num_seqs, self.max_model_len)
-        logger.info(
-            "KV cache: %d blocks of %d tokens = %d tokens (%.1f MiB, %s); %.1f sequences of max_model_len=%d fit",
-            num_blocks,
-            shape.block_size,
-            num_blocks * shape.block_size,
-            num_blocks * shape.bytes_per_block / 2**20,
-            self.dtype,
-            num_blocks * shape.block_size / self.max_model_len,
-            self.max_model_len,
+        self.runner, num_blocks = start_model_runner(
+            args, self.model_config, model_path, self.device, self.dtype, backend, scheduler_config, self.max_model_len
         )
         self.scheduler = Scheduler(
             scheduler_config, KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching)
@@ -278,6 +248,17 @@ class LLMEngine(LoRAEngineMixin):
     def _external_id(self, seq_id: str) -> str:
         request = self.scheduler.requests.get(seq_id)
         return request.external_id if request is not None else seq_id.rpartition("#")[0]
+
+    def add_death_listener(self, listener) -> None:
+        """``listener(error)`` runs once (on another thread) if a tensor-parallel worker process dies: the engine
+        can then make no progress. Never called with a single rank."""
+        if self.runner.workers is not None:
+            self.runner.workers.add_death_listener(listener)
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel worker processes, if any (idempotent; the engine cannot step afterwards)."""
+        if self.runner.workers is not None:
+            self.runner.workers.shutdown()
 
     def get_stats(self) -> EngineStats:
         kv = self.scheduler.kv

@@ -80,14 +80,29 @@ class Linear(nn.Module):
 
 
 class Embedding(nn.Module):
-    """Token embedding table [vocab, hidden]; uninitialised like :class:`Linear`."""
+    """Token embedding table [vocab, hidden]; uninitialised like :class:`Linear`.
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype) -> None:
+    Vocab-parallel under tensor parallelism: this rank holds rows ``[vocab_start, vocab_start + num_embeddings)``,
+    looks up the ids in that range, writes zeros for the others, and one all-reduce sums the ranks' rows (each id
+    is non-zero on exactly one rank, so the sum is exact).
+    """
+
+    def __init__(
+        self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype, vocab_start: int = 0, tp: Any = None
+    ) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim, dtype=dtype), requires_grad=False)
+        self.vocab_start = vocab_start
+        self.tp = tp  # a pagoda.distributed.parallel.TensorParallel; None: the whole table
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # ids: [num_tokens] -> [num_tokens, dim]
-        return F.embedding(ids, self.weight)
+        if self.tp is None or self.tp.world_size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.vocab_start
+        outside = (local < 0) | (local >= self.weight.shape[0])  # [num_tokens] ids another rank holds
+        rows = F.embedding(local.masked_fill(outside, 0), self.weight)  # [num_tokens, dim]
+        rows.masked_fill_(outside.unsqueeze(-1), 0)
+        return self.tp.all_reduce(rows)
 
 
 class MergedLinear(Linear):

@@ -8,11 +8,13 @@ except that q/k/v and gate/up are fused into ``qkv_proj`` and ``gate_up_proj`` a
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import NamedTuple, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 from torch import nn
 
+from pagoda.distributed.parallel import SINGLE, TensorParallel
+from pagoda.distributed.sharding import ShardLayout
 from pagoda.layers import (
     Attention,
     Embedding,
@@ -37,12 +39,25 @@ class KVCacheSpec(NamedTuple):
 
 
 class LlamaAttention(nn.Module):
-    """Self-attention with fused q/k/v projection and rotate-half RoPE."""
+    """Self-attention with fused q/k/v projection and rotate-half RoPE.
 
-    def __init__(self, config: ModelConfig, layer_idx: int, backend: AttentionBackend, dtype: torch.dtype) -> None:
+    Under tensor parallelism a rank holds ``shard.num_heads`` query heads and their KV heads (q/k/v column-parallel)
+    and the matching columns of ``o_proj`` (row-parallel): its output is a partial sum, completed by one all-reduce.
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_idx: int,
+        backend: AttentionBackend,
+        dtype: torch.dtype,
+        shard: ShardLayout,
+        tp: TensorParallel = SINGLE,
+    ) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        self.tp = tp
+        self.num_heads = shard.num_heads
+        self.num_kv_heads = shard.num_kv_heads
         self.head_dim = config.head_dim
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.split_sizes = [q_size, kv_size, kv_size]
@@ -76,15 +91,20 @@ class LlamaAttention(nn.Module):
         out = self.attn(q, k, v, kv_cache, meta)  # [num_tokens, num_heads, head_dim]; every K/V row is cached
         if keep is not None:
             out = out[keep]  # [num_kept, num_heads, head_dim]
-        return self.o_proj(out.reshape(out.shape[0], self.num_heads * self.head_dim))
+        out = self.o_proj(out.reshape(out.shape[0], self.num_heads * self.head_dim))
+        return self.tp.all_reduce(out)  # [num_tokens or num_kept, hidden]: the ranks' partial sums added
 
 
 class LlamaMLP(nn.Module):
-    """SwiGLU feed-forward with gate and up projections fused into one GEMM."""
+    """SwiGLU feed-forward with gate and up projections fused into one GEMM (column-parallel under tensor
+    parallelism, ``down_proj`` row-parallel with one all-reduce)."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(
+        self, config: ModelConfig, dtype: torch.dtype, shard: ShardLayout, tp: TensorParallel = SINGLE
+    ) -> None:
         super().__init__()
-        inter = config.intermediate_size
+        self.tp = tp
+        inter = shard.intermediate_size
         self.act = SiluAndMul(config.hidden_act)
         self.gate_up_proj = MergedLinear(config.hidden_size, [inter, inter], config.mlp_bias, dtype, self.act.is_silu)
         self.down_proj = Linear(inter, config.hidden_size, config.mlp_bias, dtype)
@@ -93,16 +113,16 @@ class LlamaMLP(nn.Module):
         hidden = self.gate_up_proj.forward_silu_and_mul(x)  # [num_tokens, intermediate] where the kernel fuses it
         if hidden is None:
             hidden = self.act(self.gate_up_proj(x))  # gate_up: [num_tokens, 2 * intermediate]
-        return self.down_proj(hidden)
+        return self.tp.all_reduce(self.down_proj(hidden))
 
 
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm block; each residual add is fused into the following norm with transformers' rounding."""
 
-    def __init__(self, attn: LlamaAttention, config: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(self, attn: LlamaAttention, mlp: LlamaMLP, config: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
         self.self_attn = attn
-        self.mlp = LlamaMLP(config, dtype)
+        self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
@@ -133,9 +153,16 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """Embedding, decoder layers and final norm (transformers' ``model.*`` submodule)."""
 
-    def __init__(self, config: ModelConfig, layers: list[LlamaDecoderLayer], dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        layers: list[LlamaDecoderLayer],
+        dtype: torch.dtype,
+        shard: ShardLayout,
+        tp: TensorParallel,
+    ) -> None:
         super().__init__()
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype)
+        self.embed_tokens = Embedding(shard.vocab_shard, config.hidden_size, dtype, shard.vocab_start, tp)
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
@@ -146,25 +173,33 @@ class LlamaForCausalLM(nn.Module):
 
     attention_cls: type[LlamaAttention] = LlamaAttention
 
-    def __init__(self, config: ModelConfig, attn_backend: AttentionBackend, dtype: torch.dtype) -> None:
+    def __init__(
+        self, config: ModelConfig, attn_backend: AttentionBackend, dtype: torch.dtype, tp: TensorParallel = SINGLE
+    ) -> None:
         super().__init__()
         self.config = config
         self.dtype = dtype
         self.attn_backend = attn_backend
+        self.tp = tp
+        self.shard = ShardLayout.for_rank(config, tp.rank, tp.world_size)
         layers = [
-            LlamaDecoderLayer(self.attention_cls(config, i, attn_backend, dtype), config, dtype)
+            LlamaDecoderLayer(
+                self.attention_cls(config, i, attn_backend, dtype, self.shard, tp),
+                LlamaMLP(config, dtype, self.shard, tp),
+                config,
+                dtype,
+            )
             for i in range(config.num_hidden_layers)
         ]
-        self.model = LlamaModel(config, layers, dtype)
+        self.model = LlamaModel(config, layers, dtype, self.shard, tp)
         # Tied embeddings share one Parameter; the checkpoint's lm_head.weight (if any) is ignored, as in HF.
         tied = self.model.embed_tokens.weight if config.tie_word_embeddings else None
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype, shared_weight=tied)
+        self.lm_head = Linear(config.hidden_size, self.shard.vocab_shard, bias=False, dtype=dtype, shared_weight=tied)
 
     @property
     def kv_cache_spec(self) -> KVCacheSpec:
-        """Shape of the per-layer KV cache (see :mod:`pagoda.worker.attention` for the layout)."""
-        c = self.config
-        return KVCacheSpec(c.num_hidden_layers, c.num_key_value_heads, c.head_dim)
+        """Shape of this rank's per-layer KV cache (see :mod:`pagoda.worker.attention` for the layout)."""
+        return KVCacheSpec(self.config.num_hidden_layers, self.shard.num_kv_heads, self.config.head_dim)
 
     @torch.inference_mode()
     def forward(
@@ -195,9 +230,16 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm(hidden, residual)[0]
 
     @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [n, hidden] -> logits [n, vocab] float32 (the GEMM runs in the model dtype, as in HF)."""
-        return self.lm_head.forward_float32(hidden)
+    def compute_logits(self, hidden: torch.Tensor) -> Optional[torch.Tensor]:
+        """hidden: [n, hidden] -> logits [n, vocab] float32 (the GEMM runs in the model dtype, as in HF).
+
+        Under tensor parallelism each rank computes its vocabulary rows and rank 0 gathers them (None elsewhere).
+        """
+        logits = self.lm_head.forward_float32(hidden)  # [n, vocab_shard]
+        if self.tp.world_size == 1:
+            return logits
+        gathered = self.tp.gather_to_first(logits)  # [n, world_size * vocab_shard] on rank 0
+        return None if gathered is None else gathered[:, : self.config.vocab_size]
 
     @torch.inference_mode()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
@@ -208,3 +250,7 @@ class LlamaForCausalLM(nn.Module):
         """
         skip: Optional[set[str]] = {"lm_head.weight"} if self.config.tie_word_embeddings else None
         return load_named_weights(self, weights, skip_names=skip)
+
+    def read_shard(self, name: str, tensor_slice: Any) -> torch.Tensor:
+        """This rank's part of checkpoint tensor ``name`` (``tensor_slice``: safetensors' lazy slice)."""
+        return self.shard.read(name, tensor_slice, self.config.num_key_value_heads)

@@ -17,18 +17,26 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class KVCacheShape:
-    """What one KV block costs: per layer, ``2 x block_size x num_kv_heads x head_dim`` elements."""
+    """What one KV block costs a rank: per layer, ``2 x block_size x num_kv_heads x head_dim`` elements, where
+    ``num_kv_heads`` are this rank's (under tensor parallelism each of ``num_ranks`` ranks holds its heads)."""
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
     block_size: int
     dtype: torch.dtype
+    num_ranks: int = 1
 
     @property
     def bytes_per_block(self) -> int:
+        """On one rank."""
         elem = torch.tensor([], dtype=self.dtype).element_size()
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
+
+    @property
+    def bytes_per_block_all_ranks(self) -> int:
+        """Over every rank (more than one rank's share when KV heads are replicated)."""
+        return self.bytes_per_block * self.num_ranks
 
     def layer_shape(self, num_blocks: int) -> tuple[int, ...]:
         return (2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
@@ -36,11 +44,12 @@ class KVCacheShape:
 
 def cpu_num_blocks(shape: KVCacheShape, kv_cache_memory: Optional[int], max_num_seqs: int, max_model_len: int) -> int:
     """Blocks for an explicit CPU budget; by default 4 GiB, or less when fewer blocks already
-    hold ``max_num_seqs`` sequences of ``max_model_len`` tokens (nothing could use more)."""
+    hold ``max_num_seqs`` sequences of ``max_model_len`` tokens (nothing could use more). The budget is the
+    replica's: under tensor parallelism it covers every rank's cache."""
     if kv_cache_memory is not None:
-        return kv_cache_memory // shape.bytes_per_block
+        return kv_cache_memory // shape.bytes_per_block_all_ranks
     blocks_per_seq = -(-max_model_len // shape.block_size)
-    return min(DEFAULT_CPU_KV_CACHE_MEMORY // shape.bytes_per_block, max_num_seqs * blocks_per_seq)
+    return min(DEFAULT_CPU_KV_CACHE_MEMORY // shape.bytes_per_block_all_ranks, max_num_seqs * blocks_per_seq)
 
 
 def gpu_num_blocks(

@@ -5,11 +5,13 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
 from pagoda.core.scheduler_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from pagoda.distributed.errors import WorkerDiedError
+from pagoda.distributed.parallel import SINGLE, TensorParallel
 from pagoda.layers.linear_kernels import prepare_linear_layers
 from pagoda.loader import load_model
 from pagoda.lora.manager import LoRAManager, LoRASettings
@@ -24,7 +26,7 @@ from pagoda.worker.attention import (
 )
 from pagoda.worker.attention_triton import TritonAttentionBackend
 from pagoda.worker.cuda_graphs import DecodeCudaGraphs
-from pagoda.worker.kv_sizing import KVCacheShape
+from pagoda.worker.kv_sizing import KVCacheShape, gpu_num_blocks
 from pagoda.worker.logits_processing import PenaltyCounts
 from pagoda.worker.sampler import Sampler, SamplingRow, compute_prompt_logprobs
 
@@ -32,22 +34,36 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
-class StepInputs:
-    """The tensors of one step plus where in the flat batch to read logits."""
+class ForwardStep:
+    """What every tensor-parallel rank needs to run one step (plain lists: rank 0 broadcasts it pickled)."""
 
-    input_ids: torch.Tensor  # [num_tokens]
-    positions: torch.Tensor  # [num_tokens]
-    meta: AttentionMetadata
-    sample_requests: list[Request]  # requests that sample after this step, in logits order
-    sample_indices: list[int]  # flat token index of each sampling request's last token
-    prompt_logprob_spans: list[tuple[Request, int, int]]  # (request, first flat index, count)
+    block_copies: list[tuple[int, int]]  # (src, dst) blocks to copy before the forward (copy-on-write)
+    token_ids: list[int]  # [num_tokens] the flat batch
+    query_lens: list[int]  # per scheduled request
+    seq_lens: list[int]
+    block_tables: list[list[int]]
     # The rows the forward returns when it need not return all (the sampled ones, no prompt logprobs): the last
     # layer then skips the rest. None: every token's row.
-    output_rows: Optional[torch.Tensor] = None  # [num_sampling_reqs] int64
+    output_rows: Optional[list[int]]
+    prompt_logprob_spans: list[tuple[int, int]]  # (first flat index, count) whose logits score the prompt
+    sample_rows: list[int]  # rows of the forward's output whose logits are sampled
+
+
+@dataclass(slots=True)
+class StepLogits:
+    """Rank 0's logits of one step (float32): one tensor per prompt-logprob span, and the sampled rows'."""
+
+    prompt: list[torch.Tensor]
+    sample: Optional[torch.Tensor]  # [num_sampling_reqs, vocab]; None when nothing samples
 
 
 class ModelRunner:
-    """Owns the model, the KV cache tensors, the attention backend and the sampler."""
+    """Owns the model, the KV cache tensors, the attention backend and the sampler.
+
+    Under tensor parallelism every rank has one, over its shard of the model; rank 0's also plans each step from
+    the scheduler's output and samples, and hands the plan to the other ranks through ``workers`` (one broadcast)
+    before running its own part: see :meth:`on_all_ranks`.
+    """
 
     def __init__(
         self,
@@ -58,9 +74,13 @@ class ModelRunner:
         attention_backend: str = "torch",
         quantization: Optional[str] = None,
         lora: Optional[LoRASettings] = None,
+        tp: TensorParallel = SINGLE,
     ) -> None:
         """``attention_backend`` is a resolved name, 'torch' or 'triton' (see ``resolve_attention_backend``)."""
+        assert lora is None or tp.world_size == 1, "adapters are not sharded across ranks"
         self.model_config = model_config
+        self.tp = tp
+        self.workers: Optional[Any] = None  # rank 0 under tensor parallelism: the WorkerGroup of ranks 1..N-1
         self.dtype = dtype
         self.device = device
         assert attention_backend in ("torch", "triton"), attention_backend
@@ -68,7 +88,7 @@ class ModelRunner:
             TritonAttentionBackend() if attention_backend == "triton" else TorchAttentionBackend()
         )
         self.cuda_graphs: Optional[DecodeCudaGraphs] = None
-        self.model = load_model(model_path, self.attn_backend, dtype, device, model_config)
+        self.model = load_model(model_path, self.attn_backend, dtype, device, model_config, tp)
         self.linear_kernels = prepare_linear_layers(self.model, device, dtype, quantization)
         self.lora: Optional[LoRAManager] = None
         if lora is not None:
@@ -80,8 +100,28 @@ class ModelRunner:
         self.kv_shape: KVCacheShape | None = None
 
     def kv_cache_shape(self, block_size: int) -> KVCacheShape:
-        cfg = self.model_config
-        return KVCacheShape(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, block_size, self.dtype)
+        """This rank's cache per block (its KV heads only) and the number of ranks that hold one."""
+        spec = self.model.kv_cache_spec
+        return KVCacheShape(
+            spec.num_layers, spec.num_kv_heads, spec.head_dim, block_size, self.dtype, self.tp.world_size
+        )
+
+    def on_all_ranks(self, method: str, *args: Any) -> Any:
+        """Run ``self.<method>(*args)`` on every rank (rank 0: the other ranks get it by one broadcast first) and
+        return rank 0's result. Every method that runs collectives (the forward, profiling) goes through here."""
+        if self.workers is None:
+            return getattr(self, method)(*args)
+        self.workers.broadcast(method, args)
+        try:
+            return getattr(self, method)(*args)
+        except RuntimeError as exc:  # a collective failed: a rank died (at once) or hung (after the timeout)
+            raise WorkerDiedError(f"tensor parallelism failed during {method}: {exc}") from exc
+
+    def measure_kv_blocks(self, shape: KVCacheShape, gpu_memory_utilization: float, profile_tokens: int) -> int:
+        """GPU: the blocks this rank's device holds after the weights and a profiled forward; the smallest over the
+        ranks, so every rank allocates the same number."""
+        blocks = gpu_num_blocks(shape, gpu_memory_utilization, self.device, lambda: self.profile_run(profile_tokens))
+        return self.tp.all_reduce_min(blocks)
 
     def allocate_kv_cache(self, shape: KVCacheShape, num_blocks: int) -> None:
         """Create every layer's cache once; zeroed so padded reads never see NaN garbage."""
@@ -93,28 +133,50 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
-        """Run the model over every scheduled token and sample where a sequence reaches its end."""
-        self._copy_blocks(plan.block_copies)
+        """Run the model over every scheduled token and sample where a sequence reaches its end (rank 0)."""
         scheduled = plan.scheduled
         if self.lora is not None:  # each adapter's rows in one run
             scheduled = sorted(scheduled, key=lambda s: self.lora.slot_order(s.request.lora_id))
-        inputs = self._prepare_inputs(scheduled)
+        step, sample_requests, spans = self._plan_step(plan.block_copies, scheduled)
         if self.lora is not None:
-            self.lora.prepare_step(*_lora_runs(scheduled, inputs))
+            self.lora.prepare_step(*_lora_runs(scheduled, step, sample_requests))
         try:
-            hidden = self._forward(inputs)
+            logits = self.on_all_ranks("run_forward", step)
         finally:
             if self.lora is not None:
                 self.lora.clear_step()
         out = ModelRunnerOutput()
-        self._prompt_logprobs(hidden, inputs, out)
-        if not inputs.sample_requests:
+        for (request, _, count), span_logits in zip(spans, logits.prompt):
+            first = request.num_computed_tokens + 1  # the prompt token scored by the first row
+            targets = request.prompt_token_ids[first : first + count]
+            out.prompt_logprobs[request.request_id] = compute_prompt_logprobs(
+                span_logits, targets, request.sampling_params.prompt_logprobs
+            )
+        if logits.sample is None:
             return out
-        sampled = hidden if inputs.output_rows is not None else hidden[inputs.sample_indices]
-        logits = self.model.compute_logits(sampled)  # [num_sampling_reqs, vocab]
+        self._sample(logits.sample, sample_requests, out)
+        return out
+
+    @torch.inference_mode()
+    def run_forward(self, step: ForwardStep) -> Optional[StepLogits]:
+        """Every rank: copy blocks, run the forward over the step's tokens, compute the logits it needs. Rank 0
+        gets them; the other ranks return None (they only contribute their vocabulary slices)."""
+        self._copy_blocks(step.block_copies)
+        input_ids, positions, meta, output_rows = self._step_tensors(step)
+        hidden = self._forward(input_ids, positions, meta, output_rows)
+        prompt = [
+            self.model.compute_logits(hidden[start : start + count]) for start, count in step.prompt_logprob_spans
+        ]
+        sample = None
+        if step.sample_rows:
+            rows = hidden if output_rows is not None else hidden[step.sample_rows]
+            sample = self.model.compute_logits(rows)  # [num_sampling_reqs, vocab] on rank 0
+        return StepLogits(prompt, sample) if self.tp.is_first else None
+
+    def _sample(self, logits: torch.Tensor, sample_requests: list[Request], out: ModelRunnerOutput) -> None:
         rows: list[SamplingRow] = []
         row_logits: list[int] = []
-        for i, request in enumerate(inputs.sample_requests):
+        for i, request in enumerate(sample_requests):
             for generator in _sequence_generators(request):
                 rows.append(_sampling_row(request, generator, logits.shape[1], logits.device))
                 row_logits.append(i)
@@ -122,7 +184,7 @@ class ModelRunner:
             logits = logits[row_logits]
         sampled = self.sampler(logits, rows)
         row = 0
-        for request in inputs.sample_requests:
+        for request in sample_requests:
             count = len(_sequence_generators(request))
             failure = next((sampled.failed_rows[r] for r in range(row, row + count) if r in sampled.failed_rows), None)
             if failure is not None:  # no token for this request: it fails alone, the batch goes on
@@ -132,9 +194,12 @@ class ModelRunner:
                 if request.sampling_params.logprobs is not None:
                     out.logprobs[request.request_id] = sampled.logprobs[row : row + count]
             row += count
-        return out
 
-    def _prepare_inputs(self, scheduled: list[ScheduledRequest]) -> StepInputs:
+    def _plan_step(
+        self, block_copies: list[tuple[int, int]], scheduled: list[ScheduledRequest]
+    ) -> tuple[ForwardStep, list[Request], list[tuple[Request, int, int]]]:
+        """The step every rank runs, the requests that sample (in logits order) and the prompt-logprob spans
+        (request, first flat index, count)."""
         token_ids: list[int] = []
         query_lens: list[int] = []
         seq_lens: list[int] = []
@@ -158,25 +223,37 @@ class ModelRunner:
             if item.samples:
                 sample_requests.append(request)
                 sample_indices.append(len(token_ids) - 1)
-        meta = build_metadata(query_lens, seq_lens, block_tables, self.kv_shape.block_size)
-        positions, _ = token_positions(torch.tensor(query_lens), torch.tensor(seq_lens))
-        if self.device.type != "cpu":
-            meta.slot_mapping = meta.slot_mapping.to(self.device, non_blocking=True)
-            meta.block_tables = meta.block_tables.to(self.device, non_blocking=True)
         output_rows = None
         # A prompt chunk: most rows only feed the cache. (A step that samples nothing keeps every row: no kernel
         # then sees an empty batch.)
         if not spans and 0 < len(sample_indices) < len(token_ids):
-            output_rows = torch.tensor(sample_indices, dtype=torch.int64, device=self.device)
-        return StepInputs(
-            input_ids=torch.tensor(token_ids, dtype=torch.int64, device=self.device),
-            positions=positions.to(self.device),
-            meta=meta,
-            sample_requests=sample_requests,
-            sample_indices=sample_indices,
-            prompt_logprob_spans=spans,
+            output_rows = sample_indices
+        step = ForwardStep(
+            block_copies=list(block_copies),
+            token_ids=token_ids,
+            query_lens=query_lens,
+            seq_lens=seq_lens,
+            block_tables=block_tables,
             output_rows=output_rows,
+            prompt_logprob_spans=[(start, count) for _, start, count in spans],
+            sample_rows=sample_indices,
         )
+        return step, sample_requests, spans
+
+    def _step_tensors(
+        self, step: ForwardStep
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, Optional[torch.Tensor]]:
+        """input_ids [num_tokens], positions [num_tokens], the attention metadata and output_rows [num_out]."""
+        meta = build_metadata(step.query_lens, step.seq_lens, step.block_tables, self.kv_shape.block_size)
+        positions, _ = token_positions(torch.tensor(step.query_lens), torch.tensor(step.seq_lens))
+        if self.device.type != "cpu":
+            meta.slot_mapping = meta.slot_mapping.to(self.device, non_blocking=True)
+            meta.block_tables = meta.block_tables.to(self.device, non_blocking=True)
+        output_rows = None
+        if step.output_rows is not None:
+            output_rows = torch.tensor(step.output_rows, dtype=torch.int64, device=self.device)
+        input_ids = torch.tensor(step.token_ids, dtype=torch.int64, device=self.device)
+        return input_ids, positions.to(self.device), meta, output_rows
 
     def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
         """Capture the decode forward for the batch sizes up to ``max_num_seqs`` (after the KV cache exists)."""
@@ -185,28 +262,25 @@ class ModelRunner:
         self.cuda_graphs = DecodeCudaGraphs(self.model, self.kv_caches, max_num_seqs, max_model_len)
         self.cuda_graphs.capture()
 
-    def _forward(self, inputs: StepInputs) -> torch.Tensor:
+    def _forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        output_rows: Optional[torch.Tensor],
+    ) -> torch.Tensor:
         """Hidden states [num_tokens, hidden] (or of ``output_rows``): a graph replay for a pure-decode step, else
         an eager forward. Pure decode samples every row, so graphs never see ``output_rows``."""
         with_adapters = self.lora is not None and self.lora.context.full is not None  # graphs hold no adapter rows
         if (
             self.cuda_graphs is not None
-            and inputs.output_rows is None
+            and output_rows is None
             and not with_adapters
-            and self.cuda_graphs.can_run(inputs.meta)
+            and self.cuda_graphs.can_run(meta)
         ):
-            return self.cuda_graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
-        self.attn_backend.prepare(inputs.meta)
-        return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, inputs.output_rows)
-
-    def _prompt_logprobs(self, hidden: torch.Tensor, inputs: StepInputs, out: ModelRunnerOutput) -> None:
-        for request, flat_start, count in inputs.prompt_logprob_spans:
-            logits = self.model.compute_logits(hidden[flat_start : flat_start + count])
-            first = request.num_computed_tokens + 1  # the prompt token scored by the first row
-            targets = request.prompt_token_ids[first : first + count]
-            out.prompt_logprobs[request.request_id] = compute_prompt_logprobs(
-                logits, targets, request.sampling_params.prompt_logprobs
-            )
+            return self.cuda_graphs.run(input_ids, positions, meta)
+        self.attn_backend.prepare(meta)
+        return self.model(input_ids, positions, self.kv_caches, meta, output_rows)
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         if not copies:
@@ -240,7 +314,9 @@ class ModelRunner:
         del scratch, hidden
 
 
-def _lora_runs(scheduled: list[ScheduledRequest], inputs: StepInputs) -> tuple[list, Optional[list]]:
+def _lora_runs(
+    scheduled: list[ScheduledRequest], step: ForwardStep, sample_requests: list[Request]
+) -> tuple[list, Optional[list]]:
     """(lora id, first row, end row) runs over the flat batch, and over the rows the last layer keeps (None: all).
     ``scheduled`` is grouped by adapter, so consecutive equal ids merge into one run."""
     runs: list[list] = []
@@ -249,9 +325,9 @@ def _lora_runs(scheduled: list[ScheduledRequest], inputs: StepInputs) -> tuple[l
         _extend_run(runs, item.request.lora_id, row, row + item.num_tokens)
         row += item.num_tokens
     kept: Optional[list[list]] = None
-    if inputs.output_rows is not None:
+    if step.output_rows is not None:
         kept = []
-        for index, request in enumerate(inputs.sample_requests):
+        for index, request in enumerate(sample_requests):
             _extend_run(kept, request.lora_id, index, index + 1)
     return [tuple(r) for r in runs], None if kept is None else [tuple(r) for r in kept]
 

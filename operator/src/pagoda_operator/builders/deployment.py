@@ -27,6 +27,7 @@ from typing import Any, Optional
 
 from pagoda_operator.builders.lora import lora_args, lora_volume
 from pagoda_operator.builders.meta import Owner, child_labels, child_metadata, selector_labels
+from pagoda_operator.builders.parallel import shm_size, tensor_parallel_env
 from pagoda_operator.builders.sources import PVC_MOUNT_ROOT, source_argument
 from pagoda_operator.constants import ENGINE_PORT, PRESTOP_SLEEP_SECONDS
 from pagoda_operator.spec import ModelDeploymentSpec
@@ -71,8 +72,10 @@ def engine_args(spec: ModelDeploymentSpec) -> list[str]:
 
 
 def _volumes(spec: ModelDeploymentSpec, owner: Owner) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    # shm: PyTorch and NCCL use /dev/shm, whose container default (64Mi) is far too small.
-    volumes: list[dict[str, Any]] = [{"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": spec.shm_size}}]
+    # shm: PyTorch and NCCL use /dev/shm, whose container default (64Mi) is far too small; with gpus: N it is sized
+    # for N workers unless spec.shmSize says otherwise (see builders.parallel).
+    shm = {"medium": "Memory", "sizeLimit": shm_size(spec.shm_size, spec.gpus)}
+    volumes: list[dict[str, Any]] = [{"name": "shm", "emptyDir": shm}]
     mounts: list[dict[str, Any]] = [{"name": "shm", "mountPath": "/dev/shm"}]
     cache = spec.model_cache
     if cache.type == "pvc":
@@ -130,6 +133,7 @@ def _env(spec: ModelDeploymentSpec) -> list[dict[str, Any]]:
     if spec.api_key_secret_name:
         ref = {"name": spec.api_key_secret_name, "key": spec.api_key_secret_key}
         env.append({"name": "PAGODA_API_KEY", "valueFrom": {"secretKeyRef": ref}})
+    env += tensor_parallel_env(spec.gpus, spec.env)  # NCCL and gloo settings for N workers in one pod
     return env + [dict(item) for item in spec.env]
 
 

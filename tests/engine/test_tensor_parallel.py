@@ -1,0 +1,249 @@
+"""Tensor parallelism on CPU with gloo, in real worker processes: the same greedy tokens and (within fp32 rounding)
+the same logits as one rank and as transformers, per-rank shards of half the weights, and a dead or hung worker
+that stops the engine in bounded time."""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+import torch
+from test_models import hf_greedy, hf_model
+
+from pagoda import LLM, SamplingParams
+from pagoda.config import builtin_model_path
+from pagoda.distributed.errors import WorkerDiedError
+from pagoda.distributed.parallel import TensorParallel, check_shardable
+from pagoda.loader import load_model
+from pagoda.model_config import ModelConfig
+from pagoda.worker.attention import TorchAttentionBackend
+from pagoda.worker.model_runner import ForwardStep
+
+BLOCK_SIZE = 4
+MAX_MODEL_LEN = 96
+GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+
+
+@contextmanager
+def engine(model_dir, tp: int, **kwargs) -> Iterator[LLM]:
+    llm = LLM(
+        model=str(model_dir),
+        tokenizer=str(builtin_model_path()),
+        block_size=BLOCK_SIZE,
+        max_model_len=MAX_MODEL_LEN,
+        tensor_parallel_size=tp,
+        **kwargs,
+    )
+    try:
+        yield llm
+    finally:
+        llm.engine.shutdown()
+
+
+def prompts(vocab: int) -> list[list[int]]:
+    """Eight prompts: four share a 12-token prefix (prefix caching), lengths 5..41 (several chunks each)."""
+    gen = torch.Generator().manual_seed(7)
+    shared = torch.randint(3, vocab, (12,), generator=gen).tolist()
+    out = []
+    for i in range(8):
+        tail = torch.randint(3, vocab, (5 + 5 * i,), generator=gen).tolist()
+        out.append(shared + tail if i % 2 == 0 else tail)
+    return out
+
+
+def prefill_logits(llm: LLM, prompt: list[int]) -> torch.Tensor:
+    """Logits [len, vocab] of one prompt's prefill, straight from rank 0's runner (a fresh engine: blocks 0.. are
+    free)."""
+    num_blocks = math.ceil(len(prompt) / BLOCK_SIZE)
+    step = ForwardStep(
+        block_copies=[],
+        token_ids=prompt,
+        query_lens=[len(prompt)],
+        seq_lens=[len(prompt)],
+        block_tables=[list(range(num_blocks))],
+        output_rows=None,
+        prompt_logprob_spans=[(0, len(prompt))],
+        sample_rows=[],
+    )
+    return llm.engine.runner.on_all_ranks("run_forward", step).prompt[0]
+
+
+# (arch, config overrides): KV heads split (2 over 2 ranks) and replicated (1 KV head), a vocabulary that does not
+# divide (its last shard is padded), biases on q/k/v (Qwen2), per-head norms and tied embeddings (Qwen3).
+CASES = [
+    ("llama", {}),
+    ("mistral", {}),
+    ("qwen2", {}),
+    ("qwen3", {}),
+    ("llama", {"num_key_value_heads": 1, "vocab_size": 251}),
+    ("qwen3", {"num_key_value_heads": 1}),
+]
+
+
+@pytest.mark.parametrize(
+    ("arch", "overrides"),
+    CASES,
+    ids=lambda c: str(c) if isinstance(c, str) else "-".join(f"{k}={v}" for k, v in c.items()) or "base",
+)
+def test_two_ranks_give_one_ranks_logits_and_transformers_greedy_tokens(tiny, arch, overrides):
+    model_dir = tiny.get(arch, torch.float32, **overrides)
+    vocab = overrides.get("vocab_size", 256)
+    batch = prompts(vocab)
+    reference = hf_model(model_dir, torch.float32)
+    expected = [hf_greedy(reference, p, GREEDY.max_tokens) for p in batch]
+    # chunked prefill (16-token steps), preemption (a cache of 40 blocks for 8 sequences of up to 61 tokens) and
+    # prefix caching, all at once
+    num_blocks = 40
+    results = {}
+    for tp in (1, 2):
+        kv_bytes = _kv_bytes(model_dir, tp, num_blocks)
+        with engine(
+            model_dir, tp, max_num_batched_tokens=16, enable_prefix_caching=True, kv_cache_memory=kv_bytes
+        ) as llm:
+            assert (llm.engine.runner.tp.shm is not None) == (tp == 2)  # CPU ranks exchange through shared memory
+            results[tp] = {"logits": prefill_logits(llm, batch[2])}
+            outputs = llm.generate(batch, GREEDY, use_tqdm=False)
+            results[tp]["tokens"] = [o.outputs[0].token_ids for o in outputs]
+            stats = llm.engine.get_stats()
+            assert stats.num_preemptions > 0 and stats.num_chunked_prefill_steps > 0 and stats.prefix_cache_hits > 0
+            assert stats.num_blocks == num_blocks
+    assert results[2]["tokens"] == results[1]["tokens"] == expected
+    diff = (results[2]["logits"] - results[1]["logits"]).abs().max().item()
+    assert results[2]["logits"].shape == (len(batch[2]), vocab)
+    assert diff <= 1e-5, diff
+
+
+def test_collectives_through_gloo_alone_give_the_same_tokens(tiny, monkeypatch):
+    # PAGODA_TP_SHM=0: no shared-memory segment, every all-reduce and gather goes through gloo (as tensors larger than
+    # a shared-memory slot always do).
+    monkeypatch.setenv("PAGODA_TP_SHM", "0")
+    model_dir = tiny.get("qwen2", torch.float32)
+    batch = prompts(256)[:4]
+    reference = hf_model(model_dir, torch.float32)
+    with engine(model_dir, 2) as llm:
+        assert llm.engine.runner.tp.shm is None
+        tokens = [o.outputs[0].token_ids for o in llm.generate(batch, GREEDY, use_tqdm=False)]
+    assert tokens == [hf_greedy(reference, p, GREEDY.max_tokens) for p in batch]
+
+
+def _kv_bytes(model_dir, tp: int, num_blocks: int) -> int:
+    """The --kv-cache-memory that holds ``num_blocks`` blocks over ``tp`` ranks (replicated KV heads count per rank)."""
+    config = ModelConfig.from_model_dir(model_dir)
+    kv_per_rank = max(config.num_key_value_heads // tp, 1)
+    per_block = 2 * config.num_hidden_layers * BLOCK_SIZE * kv_per_rank * config.head_dim * 4
+    return num_blocks * per_block * tp
+
+
+def _param_bytes(model: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def test_each_rank_loads_half_the_weights_and_the_shards_reassemble(tiny):
+    model_dir = tiny.get("llama", torch.float32)
+    full = load_model(model_dir, TorchAttentionBackend(), torch.float32)
+    # Loading needs no collective, so each rank's model can be built here without its process group.
+    ranks = [load_model(model_dir, TorchAttentionBackend(), torch.float32, tp=TensorParallel(r, 2)) for r in (0, 1)]
+    whole = _param_bytes(full)
+    for model in ranks:  # norms are replicated: a little over half
+        assert 0.5 <= _param_bytes(model) / whole <= 0.52, _param_bytes(model) / whole
+    layer = [m.model.layers[0] for m in (full, *ranks)]
+    assert torch.equal(
+        torch.cat([layer[1].self_attn.o_proj.weight, layer[2].self_attn.o_proj.weight], 1),
+        layer[0].self_attn.o_proj.weight,
+    )  # row-parallel: input columns
+    assert torch.equal(
+        torch.cat([layer[1].mlp.down_proj.weight, layer[2].mlp.down_proj.weight], 1), layer[0].mlp.down_proj.weight
+    )
+    q = layer[0].self_attn.qkv_proj.part_rows(0)
+    q_local = layer[1].self_attn.qkv_proj.part_rows(0)
+    assert torch.equal(
+        torch.cat([layer[1].self_attn.qkv_proj.weight[q_local], layer[2].self_attn.qkv_proj.weight[q_local]]),
+        layer[0].self_attn.qkv_proj.weight[q],
+    )  # column-parallel: whole heads
+    assert torch.equal(torch.cat([m.model.embed_tokens.weight for m in ranks]), full.model.embed_tokens.weight)
+    assert torch.equal(torch.cat([m.lm_head.weight for m in ranks]), full.lm_head.weight)
+
+
+def test_sizes_that_do_not_divide_are_refused_naming_the_size(tiny):
+    config = ModelConfig.from_model_dir(tiny.get("llama", torch.float32))  # 4 heads, 2 KV heads, intermediate 128
+    with pytest.raises(ValueError, match=r"does not divide the model's num_attention_heads \(4\)"):
+        check_shardable(config, 3)
+    with pytest.raises(ValueError, match=r"num_key_value_heads \(2\)"):
+        check_shardable(
+            ModelConfig.from_model_dir(
+                tiny.get("llama", torch.float32, hidden_size=96, num_attention_heads=6, intermediate_size=120)
+            ),
+            3,
+        )
+    with pytest.raises(ValueError, match=r"intermediate_size \(130\)"):
+        check_shardable(ModelConfig.from_model_dir(tiny.get("llama", torch.float32, intermediate_size=130)), 4)
+    with pytest.raises(ValueError, match="num_attention_heads"):  # the engine refuses before any process starts
+        LLM(model=str(tiny.get("llama", torch.float32)), tokenizer=str(builtin_model_path()), tensor_parallel_size=3)
+
+
+@pytest.mark.parametrize("fault", ["killed", "hung"])
+def test_a_dead_or_hung_worker_stops_the_engine_in_bounded_time(tiny, fault):
+    timeout_s = 3.0
+    with engine(tiny.get("llama", torch.float32), 2, distributed_timeout_seconds=timeout_s) as llm:
+        core = llm.engine
+        deaths: list[BaseException] = []
+        core.add_death_listener(deaths.append)
+        core.add_request("a", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True))
+        core.step()
+        worker = core.runner.workers.processes[0]
+        os.kill(worker.pid, signal.SIGKILL if fault == "killed" else signal.SIGSTOP)
+        started = time.monotonic()
+        try:
+            with pytest.raises(WorkerDiedError):
+                while core.has_unfinished_requests():
+                    core.step()
+            elapsed = time.monotonic() - started
+        finally:
+            if fault == "hung":
+                os.kill(worker.pid, signal.SIGKILL)
+        if fault == "killed":
+            assert elapsed < timeout_s  # the broken connection fails the collective at once
+            _wait_for(lambda: deaths, 5)
+            assert "exited with code -9" in str(deaths[0])
+        else:
+            assert timeout_s * 0.9 <= elapsed <= timeout_s + 10  # the collective timeout ends the wait
+
+
+def test_int8_weights_on_two_ranks_give_one_ranks_greedy_tokens_on_stories260k():
+    # Each rank quantizes its own shard: column-parallel rows keep their per-channel scales, row-parallel ones get
+    # scales over their half of the input columns (no less accurate); the trained model's greedy text is unchanged.
+    batch = [[1, 403, 261, 385, 414], [1, 365, 264, 474, 261, 340, 335, 263, 3, 304], [1, 400]]
+    tokens = {}
+    for tp in (1, 2):
+        with engine(builtin_model_path(), tp, quantization="int8") as llm:
+            assert set(llm.engine.runner.linear_kernels) == {"int8-weight-only"}
+            tokens[tp] = [o.outputs[0].token_ids for o in llm.generate(batch, GREEDY, use_tqdm=False)]
+    assert tokens[2] == tokens[1]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_two_gpus_over_nccl_give_one_gpus_greedy_tokens(tiny):
+    model_dir = tiny.get("qwen3", torch.float32)
+    batch = prompts(256)
+    tokens = {}
+    for tp in (1, 2):
+        with engine(model_dir, tp, device="cuda", dtype="float32") as llm:
+            tokens[tp] = [o.outputs[0].token_ids for o in llm.generate(batch, GREEDY, use_tqdm=False)]
+    assert tokens[2] == tokens[1]
+
+
+def test_lora_with_tensor_parallelism_is_refused():
+    with pytest.raises(ValueError, match="LoRA adapters are not served with tensor parallelism"):
+        LLM(tensor_parallel_size=2, enable_lora=True)
+
+
+def _wait_for(condition, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
