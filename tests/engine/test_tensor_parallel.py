@@ -4,6 +4,7 @@ that stops the engine in bounded time."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import signal
@@ -39,10 +40,8 @@ def engine(model_dir, tp: int, **kwargs) -> Iterator[LLM]:
         tensor_parallel_size=tp,
         **kwargs,
     )
-    try:
+    with llm:
         yield llm
-    finally:
-        llm.engine.shutdown()
 
 
 def prompts(vocab: int) -> list[list[int]]:
@@ -77,6 +76,7 @@ def prefill_logits(llm: LLM, prompt: list[int]) -> torch.Tensor:
 # divide (its last shard is padded), biases on q/k/v (Qwen2), per-head norms and tied embeddings (Qwen3).
 CASES = [
     ("llama", {}),
+    ("llama", {"attention_bias": True, "mlp_bias": True}),  # row-parallel o/down biases: added once, by rank 0
     ("mistral", {}),
     ("qwen2", {}),
     ("qwen3", {}),
@@ -143,11 +143,14 @@ def _param_bytes(model: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def test_each_rank_loads_half_the_weights_and_the_shards_reassemble(tiny):
+def test_each_rank_reads_and_holds_half_the_weights_and_the_shards_reassemble(tiny, monkeypatch):
     model_dir = tiny.get("llama", torch.float32)
     full = load_model(model_dir, TorchAttentionBackend(), torch.float32)
+    reads = _count_reads(monkeypatch)
     # Loading needs no collective, so each rank's model can be built here without its process group.
     ranks = [load_model(model_dir, TorchAttentionBackend(), torch.float32, tp=TensorParallel(r, 2)) for r in (0, 1)]
+    # every tensor came through a lazy slice (only the rank's bytes are read), none whole
+    assert reads["get_tensor"] == 0 and reads["sliced_bytes"] <= 1.02 * _param_bytes(full)
     whole = _param_bytes(full)
     for model in ranks:  # norms are replicated: a little over half
         assert 0.5 <= _param_bytes(model) / whole <= 0.52, _param_bytes(model) / whole
@@ -167,6 +170,74 @@ def test_each_rank_loads_half_the_weights_and_the_shards_reassemble(tiny):
     )  # column-parallel: whole heads
     assert torch.equal(torch.cat([m.model.embed_tokens.weight for m in ranks]), full.model.embed_tokens.weight)
     assert torch.equal(torch.cat([m.lm_head.weight for m in ranks]), full.lm_head.weight)
+
+
+def _count_reads(monkeypatch) -> dict:
+    """Count, from here on, whole-tensor reads and the bytes read through slices of every safetensors file."""
+    import pagoda.loader
+
+    reads = {"get_tensor": 0, "sliced_bytes": 0}
+    real_open = pagoda.loader.safe_open
+
+    class Slice:
+        def __init__(self, inner) -> None:
+            self.inner = inner
+
+        def __getitem__(self, index):
+            tensor = self.inner[index]
+            reads["sliced_bytes"] += tensor.numel() * tensor.element_size()
+            return tensor
+
+    class File:
+        def __init__(self, *args, **kwargs) -> None:
+            self.inner = real_open(*args, **kwargs)
+
+        def __enter__(self):
+            self.inner.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.inner.__exit__(*exc)
+
+        def keys(self):
+            return self.inner.keys()
+
+        def get_tensor(self, name):
+            reads["get_tensor"] += 1
+            return self.inner.get_tensor(name)
+
+        def get_slice(self, name):
+            return Slice(self.inner.get_slice(name))
+
+    monkeypatch.setattr(pagoda.loader, "safe_open", File)
+    return reads
+
+
+def test_four_ranks_with_two_kv_heads_replicate_each_kv_head_over_two_ranks(tiny):
+    model_dir = tiny.get("qwen3", torch.float32)  # 4 heads, 2 KV heads: one query head per rank
+    batch = prompts(256)[:3]
+    reference = hf_model(model_dir, torch.float32)
+    with engine(model_dir, 4) as llm:
+        assert llm.engine.runner.model.kv_cache_spec.num_kv_heads == 1
+        tokens = [o.outputs[0].token_ids for o in llm.generate(batch, GREEDY, use_tqdm=False)]
+    assert tokens == [hf_greedy(reference, p, GREEDY.max_tokens) for p in batch]
+
+
+def test_a_failure_on_rank_0_mid_step_stops_the_workers_instead_of_leaving_them_a_step_apart(tiny):
+    with engine(tiny.get("llama", torch.float32), 2) as llm:
+        runner = llm.engine.runner
+        real = runner._step_tensors
+
+        def fail_once(step):
+            runner._step_tensors = real
+            raise ValueError("injected failure on rank 0 after the step was sent")
+
+        runner._step_tensors = fail_once
+        with pytest.raises(ValueError, match="injected"):
+            llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
+        with pytest.raises(WorkerDiedError, match="out of step"):  # never a silently wrong answer
+            llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
+        assert not any(p.is_alive() for p in runner.workers.processes)
 
 
 def test_sizes_that_do_not_divide_are_refused_naming_the_size(tiny):
@@ -205,7 +276,8 @@ def test_a_dead_or_hung_worker_stops_the_engine_in_bounded_time(tiny, fault):
             elapsed = time.monotonic() - started
         finally:
             if fault == "hung":
-                os.kill(worker.pid, signal.SIGKILL)
+                with contextlib.suppress(ProcessLookupError):  # stopped, then killed by the engine's shutdown
+                    os.kill(worker.pid, signal.SIGKILL)
         if fault == "killed":
             assert elapsed < timeout_s  # the broken connection fails the collective at once
             _wait_for(lambda: deaths, 5)

@@ -4,9 +4,10 @@ The engine process is rank 0: it keeps the scheduler, the KV-cache manager and t
 shard of the model. Ranks 1..N-1 are spawned processes (:mod:`pagoda.distributed.worker`). A step's plan reaches
 them as one pickled message on a pipe per worker (measured against a gloo ``broadcast_object_list`` in
 ``benchmarks/tp_compare.py``: the pipe is faster and, unlike a collective, may wait without a timeout while the
-server idles); tensors move only in the model's collectives. A worker that dies makes the next send or collective
-fail at once and the watchdog report it even while the engine idles; a hung one makes rank 0's next collective
-fail after ``timeout_s``. Either way the engine stops, never hangs.
+server idles); tensors move only in the model's collectives. A worker that dies is reported by the watchdog (which
+also aborts the CPU shared-memory exchange, and wakes an idle engine) and breaks gloo's connections; a hung one
+makes rank 0's next collective fail after ``timeout_s``. On GPUs, where rank 0 may wait on the device instead, the
+async engine's grace timer declares the engine dead (see ``AsyncLLMEngine._worker_died``).
 """
 
 from __future__ import annotations
@@ -18,20 +19,24 @@ import os
 import pickle
 import socket
 import threading
+import time
 from collections.abc import Callable
-from multiprocessing.connection import wait
+from dataclasses import replace
+from multiprocessing.connection import Connection, wait
 from typing import Any, Optional
 
 import torch
 
 from pagoda.distributed.errors import WorkerDiedError
 from pagoda.distributed.parallel import TensorParallel, init_tensor_parallel
-from pagoda.distributed.shm_comm import ShmCommunicator, segment_path, shared_memory_enabled
+from pagoda.distributed.shm_comm import ShmCommunicator, segment_path, shared_memory_enabled, slot_bytes_for
 from pagoda.distributed.worker import WorkerSpec, device_for_rank, run_worker
 
 logger = logging.getLogger(__name__)
 
 _JOIN_S = 10.0
+# Below the default Unix-socket send buffer (212,992 bytes on Linux), so such a send returns at once.
+_SEND_INLINE_BYTES = 128 * 1024
 
 
 class WorkerGroup:
@@ -39,9 +44,11 @@ class WorkerGroup:
 
     def __init__(self, spec: WorkerSpec) -> None:
         context = multiprocessing.get_context("spawn")  # never fork a process that may hold CUDA or OpenMP state
-        self.spec = spec
         # Created before any worker starts, so that each can map it as it joins.
-        self.shm = None if spec.shm_path is None else ShmCommunicator(spec.shm_path, 0, spec.world_size, spec.timeout_s)
+        self.shm = _create_segment(spec)
+        if self.shm is None:
+            spec = replace(spec, shm_path=None)
+        self.spec = spec
         self.processes: list[multiprocessing.process.BaseProcess] = []
         self._pipes = []
         for rank in range(1, spec.world_size):
@@ -67,7 +74,9 @@ class WorkerGroup:
             logger.info("tensor-parallel rank %d runs in pid %d", rank, process.pid)
 
     def join_group(self, device: torch.device) -> TensorParallel:
-        """Join the process group as rank 0 (returns once every worker has joined, or fails after the timeout)."""
+        """Join the process group as rank 0, once every worker is about to (a spawned process takes seconds to
+        import torch, more on a busy host: that wait has no timeout, only the workers' deaths end it early)."""
+        self._wait_for_every_worker(b"joining", "starting")
         return init_tensor_parallel(
             0,
             self.spec.world_size,
@@ -80,21 +89,25 @@ class WorkerGroup:
     def wait_until_loaded(self) -> None:
         """Block until every worker has loaded its shard (loading may take longer than any collective timeout, so
         no collective runs before); WorkerDiedError if one ends first."""
+        self._wait_for_every_worker(b"ready", "loading its shard")
+        if self.shm is not None:
+            self.shm.unlink()  # every rank has it mapped: no file to leak, whatever happens next
+        logger.info("every tensor-parallel worker has loaded its shard")
+
+    def _wait_for_every_worker(self, message: bytes, doing: str) -> None:
         pending = {pipe: rank for rank, pipe in enumerate(self._pipes, start=1)}
         sentinels = {process.sentinel: process for process in self.processes}
         while pending:
             for ready in wait([*pending, *sentinels]):
                 if ready in sentinels:
                     process = sentinels[ready]
-                    raise WorkerDiedError(f"{process.name} exited with code {process.exitcode} while loading its shard")
+                    raise WorkerDiedError(f"{process.name} exited with code {process.exitcode} while {doing}")
                 try:
-                    assert ready.recv_bytes() == b"ready"
+                    received = ready.recv_bytes()
                 except EOFError as exc:
-                    raise WorkerDiedError(f"tensor-parallel worker {pending[ready]} exited while loading") from exc
+                    raise WorkerDiedError(f"tensor-parallel worker {pending[ready]} exited while {doing}") from exc
+                assert received == message, (received, message)
                 del pending[ready]
-        if self.shm is not None:
-            self.shm.unlink()  # every rank has it mapped: no file to leak, whatever happens next
-        logger.info("every tensor-parallel worker has loaded its shard")
 
     def add_death_listener(self, listener: Callable[[BaseException], None]) -> None:
         """``listener(error)`` runs once, on the watchdog thread, when a worker ends unexpectedly."""
@@ -110,21 +123,60 @@ class WorkerGroup:
         with self._lock:
             for rank, pipe in enumerate(self._pipes, start=1):
                 try:
-                    pipe.send_bytes(message)
+                    self._send(pipe, message)
                 except OSError as exc:  # BrokenPipeError: the worker is gone
                     raise WorkerDiedError(f"tensor-parallel worker {rank} is gone: {exc}") from exc
 
-    def shutdown(self) -> None:
-        """Stop the workers (a stop message, then SIGKILL for any that do not exit within seconds)."""
+    def _send(self, pipe: Connection, message: bytes) -> None:
+        """A message that fits the socket buffer never blocks; a larger one (a plan with long block tables) is sent
+        from a thread, so that a worker that stopped reading fails the step after the timeout instead of holding
+        rank 0 in the write forever."""
+        if len(message) <= _SEND_INLINE_BYTES:
+            pipe.send_bytes(message)
+            return
+        failure: list[BaseException] = []
+
+        def send() -> None:
+            try:
+                pipe.send_bytes(message)
+            except BaseException as exc:
+                failure.append(exc)
+
+        sender = threading.Thread(target=send, name="pagoda-tp-send", daemon=True)
+        sender.start()
+        sender.join(self.spec.timeout_s)
+        if sender.is_alive():
+            raise WorkerDiedError(f"a tensor-parallel worker did not read its step within {self.spec.timeout_s:.0f} s")
+        if failure:
+            raise failure[0]
+
+    def poison(self, reason: str) -> None:
+        """Rank 0 failed between sending a command and finishing it: the ranks are out of step for good, so no
+        later command may run (each would pair rank 0's collectives with the workers' previous ones). Stop them."""
+        if self.error is None:
+            self.error = WorkerDiedError(f"tensor-parallel ranks out of step: {reason}")
+        logger.error("%s; stopping the workers", self.error)
+        self.shutdown(grace_s=1.0)  # they may be hung: do not wait long
+
+    def shutdown(self, grace_s: float = _JOIN_S) -> None:
+        """Stop the workers (a stop message, then SIGKILL for any that have not exited within ``grace_s``)."""
         if self._closing.is_set():
             return
         self._closing.set()
+        if self.shm is not None:
+            self.shm.abort()  # a worker waiting in an exchange (rank 0 gone from it) stops waiting
+        stop = pickle.dumps(None)
+        if self._lock.acquire(timeout=grace_s):  # never interleave with a half-written step
+            for pipe in self._pipes:
+                with contextlib.suppress(OSError):  # an exited worker needs no stop message
+                    pipe.send_bytes(stop)
+            self._lock.release()
         for pipe in self._pipes:
-            with contextlib.suppress(OSError):  # an exited worker needs no stop message
-                pipe.send_bytes(pickle.dumps(None))
             pipe.close()
+        deadline = time.monotonic() + grace_s
         for process in self.processes:
-            process.join(_JOIN_S)
+            process.join(max(0.0, deadline - time.monotonic()))
+        for process in self.processes:
             if process.is_alive():
                 process.kill()
                 process.join()
@@ -169,8 +221,10 @@ def worker_spec(
     quantization: Optional[str],
     world_size: int,
     timeout_s: float,
+    largest_collective_bytes: int,
 ) -> WorkerSpec:
-    """The spec every worker starts from: a fresh loopback rendezvous port, each rank's share of the cores."""
+    """The spec every worker starts from: a fresh loopback rendezvous port, each rank's share of the cores, and
+    on CPU a shared-memory segment whose slots hold ``largest_collective_bytes``."""
     return WorkerSpec(
         model_config=model_config,
         model_path=model_path,
@@ -181,11 +235,22 @@ def worker_spec(
         world_size=world_size,
         init_method=f"tcp://127.0.0.1:{_free_port()}",
         shm_path=segment_path() if device.type == "cpu" and shared_memory_enabled() else None,
+        shm_slot_bytes=slot_bytes_for(largest_collective_bytes),
         timeout_s=timeout_s,
         num_threads=cpu_threads_per_rank(world_size),
         log_level=logging.getLogger("pagoda").getEffectiveLevel(),
         parent_pid=os.getpid(),
     )
+
+
+def _create_segment(spec: WorkerSpec) -> Optional[ShmCommunicator]:
+    if spec.shm_path is None:
+        return None
+    try:
+        return ShmCommunicator(spec.shm_path, 0, spec.world_size, spec.timeout_s, spec.shm_slot_bytes)
+    except OSError as exc:  # e.g. a container's 64 MiB /dev/shm
+        logger.warning("no shared memory for the tensor-parallel collectives (%s); using gloo for all of them", exc)
+        return None
 
 
 def cpu_threads_per_rank(world_size: int) -> int:

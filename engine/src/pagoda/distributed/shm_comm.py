@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+import platform
 import time
 import uuid
 from pathlib import Path
@@ -28,6 +29,8 @@ import torch
 
 _LINE = 64  # bytes: one flag per cache line, so ranks never write the same line
 _SPINS_BEFORE_YIELD = 2000
+_SPINS_BEFORE_SLEEP = 100 * _SPINS_BEFORE_YIELD  # ~tens of ms of spinning and yielding
+_BACKOFF_SLEEP_S = 200e-6
 DEFAULT_SLOT_BYTES = 32 * 2**20  # per rank and parity; pages are only committed when touched
 
 
@@ -50,8 +53,14 @@ class ShmCommunicator:
         fd = os.open(path, flags, 0o600)
         try:
             if rank == 0:
-                os.ftruncate(fd, size)
+                # Commit the pages now: a /dev/shm too small for the segment is an error here (the caller then uses
+                # gloo), not a SIGBUS at the first large write.
+                os.posix_fallocate(fd, 0, size)
             self._map = mmap.mmap(fd, size)
+        except OSError:
+            if rank == 0:
+                os.unlink(path)
+            raise
         finally:
             os.close(fd)
         self._words = memoryview(self._map).cast("q")  # int64 words: [0] abort, [8 * (1 + r)] rank r's counter
@@ -109,8 +118,13 @@ class ShmCommunicator:
                 if words[0]:
                     raise RuntimeError("tensor-parallel shared-memory exchange aborted: a rank died")
                 spins += 1
-                if spins % _SPINS_BEFORE_YIELD == 0:  # more ranks than free cores: let the others run
-                    os.sched_yield()
+                if spins % _SPINS_BEFORE_YIELD == 0:
+                    # Ranks run in near lockstep, so waits are short; a long one (a hung rank, more ranks than free
+                    # cores) backs off from a yield to short sleeps instead of burning a core for the whole timeout.
+                    if spins < _SPINS_BEFORE_SLEEP:
+                        os.sched_yield()
+                    else:
+                        time.sleep(_BACKOFF_SLEEP_S)
                     now = time.monotonic()
                     deadline = deadline or now + self.timeout_s
                     if now > deadline:
@@ -127,5 +141,11 @@ class ShmCommunicator:
 
 
 def shared_memory_enabled() -> bool:
-    """``PAGODA_TP_SHM=0`` sends every CPU collective through gloo (for debugging and the benchmark baseline)."""
-    return os.environ.get("PAGODA_TP_SHM", "1") != "0"
+    """Only on x86 (the flag protocol relies on its store order); ``PAGODA_TP_SHM=0`` sends every CPU collective
+    through gloo (for debugging and the benchmark baseline)."""
+    return platform.machine().lower() in ("x86_64", "amd64") and os.environ.get("PAGODA_TP_SHM", "1") != "0"
+
+
+def slot_bytes_for(tensor_bytes: int) -> int:
+    """A slot for the largest collective of the model (rounded up to a cache line), at most the default."""
+    return min(DEFAULT_SLOT_BYTES, -(-tensor_bytes // _LINE) * _LINE)

@@ -36,6 +36,7 @@ class WorkerSpec:
     world_size: int
     init_method: str  # tcp://127.0.0.1:<port>, rank 0's rendezvous
     shm_path: Optional[str]  # CPU: the shared-memory segment rank 0 created for the collectives (None: gloo only)
+    shm_slot_bytes: int  # each rank's slot in it: the largest collective that goes through shared memory
     timeout_s: float  # every collective's limit
     num_threads: int  # torch intra-op threads of each rank on CPU
     log_level: int
@@ -83,7 +84,8 @@ def _serve(spec: WorkerSpec, rank: int, commands: Connection) -> None:
     device = device_for_rank(spec.device_type, rank)
     shm = None
     if spec.shm_path is not None:
-        shm = ShmCommunicator(spec.shm_path, rank, spec.world_size, spec.timeout_s)
+        shm = ShmCommunicator(spec.shm_path, rank, spec.world_size, spec.timeout_s, spec.shm_slot_bytes)
+    commands.send_bytes(b"joining")  # rank 0 joins the rendezvous once every worker is this far
     tp = init_tensor_parallel(rank, spec.world_size, spec.init_method, device, spec.timeout_s, shm)
     runner = ModelRunner(
         spec.model_config,

@@ -50,6 +50,10 @@ class _Abort:
     request_id: str
 
 
+# How long after a worker's death an engine thread that has not stopped is declared dead by the watchdog.
+_DEATH_GRACE_S = 5.0
+
+
 @dataclass
 class _Fatal:
     """The engine can make no progress (a tensor-parallel worker died): stop the loop with ``error``."""
@@ -132,8 +136,7 @@ class AsyncLLMEngine:
         self.error: Optional[BaseException] = None
         self._thread = threading.Thread(target=self._run, name="pagoda-engine", daemon=True)
         self._thread.start()
-        # A dead worker wakes an idle loop too (a busy one fails in its next collective anyway).
-        engine.add_death_listener(lambda error: self._inbox.put(_Fatal(error)))
+        engine.add_death_listener(self._worker_died)
 
     @property
     def num_waiting(self) -> int:
@@ -199,6 +202,25 @@ class AsyncLLMEngine:
         self._inbox.put(None)
         self._thread.join(timeout)
         self.engine.shutdown()
+
+    def _worker_died(self, error: BaseException) -> None:
+        """Watchdog thread: a tensor-parallel worker died. An idle loop wakes up and stops; a busy one stops when its
+        collective fails. One blocked where no error can reach it (waiting on a GPU for an NCCL collective that
+        will never complete) is declared dead from here after a grace period, so requests still get their error
+        and the server still exits."""
+        self._inbox.put(_Fatal(error))
+        timer = threading.Timer(_DEATH_GRACE_S, self._declare_dead, (error,))
+        timer.daemon = True
+        timer.start()
+
+    def _declare_dead(self, error: BaseException) -> None:
+        if not self._thread.is_alive() or self.error is not None or self._stopping.is_set():
+            return
+        logger.critical("the engine thread is stuck %.0f s after a worker died; the engine is dead", _DEATH_GRACE_S)
+        self.error = error
+        self._fail_all(EngineDeadError(f"the engine stopped: {error!r}"))  # the engine thread is blocked: no race
+        if self._on_dead is not None:
+            self._on_dead(error)
 
     def _check_alive(self) -> None:
         if self.error is not None:

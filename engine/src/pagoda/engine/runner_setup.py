@@ -40,21 +40,9 @@ def start_model_runner(
     )
     workers = None
     tp: TensorParallel = SINGLE
-    if args.tensor_parallel_size > 1:
-        check_shardable(model_config, args.tensor_parallel_size)  # before any process starts
-        spec = worker_spec(
-            model_config,
-            str(model_path),
-            dtype,
-            device,
-            attention_backend,
-            args.quantization,
-            args.tensor_parallel_size,
-            args.distributed_timeout_seconds,
-        )
-        workers = WorkerGroup(spec)
     try:
-        if workers is not None:
+        if args.tensor_parallel_size > 1:
+            workers = _start_workers(args, model_config, model_path, device, dtype, attention_backend, scheduler_config)
             tp = workers.join_group(device)
         runner = ModelRunner(
             model_config, model_path, dtype, device, attention_backend, quantization=args.quantization, lora=lora, tp=tp
@@ -68,6 +56,37 @@ def start_model_runner(
             workers.shutdown()
         raise
     return runner, num_blocks
+
+
+def _start_workers(
+    args: EngineArgs,
+    model_config: ModelConfig,
+    model_path: Path,
+    device: torch.device,
+    dtype: torch.dtype,
+    attention_backend: str,
+    scheduler_config: SchedulerConfig,
+) -> WorkerGroup:
+    size = args.tensor_parallel_size
+    check_shardable(model_config, size)  # before any process starts
+    if device.type == "cuda" and torch.cuda.device_count() < size:
+        raise ValueError(f"--tensor-parallel-size {size} needs {size} GPUs; {torch.cuda.device_count()} visible")
+    # The largest collectives: a full chunk's all-reduce, and the logits gather of a full decode batch.
+    element = torch.tensor([], dtype=dtype).element_size()
+    all_reduce = scheduler_config.max_num_batched_tokens * model_config.hidden_size * element
+    gather = scheduler_config.max_num_seqs * -(-model_config.vocab_size // size) * 4
+    spec = worker_spec(
+        model_config,
+        str(model_path),
+        dtype,
+        device,
+        attention_backend,
+        args.quantization,
+        size,
+        args.distributed_timeout_seconds,
+        max(all_reduce, gather),
+    )
+    return WorkerGroup(spec)
 
 
 def _size_and_allocate(

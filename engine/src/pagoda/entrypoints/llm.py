@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import weakref
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any, Optional, Union
@@ -28,12 +29,25 @@ class LLM:
     """Generate text for a batch of prompts with continuous batching, all in this process.
 
     ``model`` is a local Hugging Face directory; without one, the built-in stories260K model.
-    Other keyword arguments are :class:`pagoda.config.EngineArgs` fields.
+    Other keyword arguments are :class:`pagoda.config.EngineArgs` fields. With ``tensor_parallel_size`` > 1 the
+    worker processes run until :meth:`shutdown` (or the end of a ``with LLM(...)`` block, or this object's garbage
+    collection); scripts need an ``if __name__ == "__main__":`` guard, as every ``spawn`` user does.
     """
 
     def __init__(self, model: Optional[str] = None, **engine_args) -> None:
         self.engine = LLMEngine(EngineArgs(model=model, **engine_args))
         self._ids = itertools.count()
+        self._finalizer = weakref.finalize(self, self.engine.shutdown)
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel worker processes (idempotent); this LLM cannot generate afterwards."""
+        self._finalizer()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
 
     def get_tokenizer(self):
         return self.engine.tokenizer

@@ -114,12 +114,18 @@ class ModelRunner:
         self.workers.broadcast(method, args)
         try:
             return getattr(self, method)(*args)
-        except RuntimeError as exc:  # a collective failed: a rank died (at once) or hung (after the timeout)
-            raise WorkerDiedError(f"tensor parallelism failed during {method}: {exc}") from exc
+        except BaseException as exc:  # a collective failed (a rank died or hung), or rank 0 itself (Ctrl-C, a bug)
+            # The workers may be a collective ahead now: nothing may run on these ranks again.
+            self.workers.poison(f"rank 0 failed during {method}: {exc!r}")
+            if isinstance(exc, RuntimeError) and not isinstance(exc, WorkerDiedError):
+                raise WorkerDiedError(f"tensor parallelism failed during {method}: {exc}") from exc
+            raise
 
     def measure_kv_blocks(self, shape: KVCacheShape, gpu_memory_utilization: float, profile_tokens: int) -> int:
         """GPU: the blocks this rank's device holds after the weights and a profiled forward; the smallest over the
         ranks, so every rank allocates the same number."""
+        # NCCL allocates its buffers at the first collective: make that happen before memory is measured.
+        self.tp.all_reduce(torch.zeros(1, device=self.device))
         blocks = gpu_num_blocks(shape, gpu_memory_utilization, self.device, lambda: self.profile_run(profile_tokens))
         return self.tp.all_reduce_min(blocks)
 
