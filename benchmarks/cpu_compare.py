@@ -3,7 +3,9 @@
 Builds (once) the Qwen3-0.6B-shaped random-weight bf16 checkpoint, writes one workload (a 512-token
 prefill prompt and decode batches of 1, 8 and 32 short prompts), and runs every system that is
 installed as its own process under one protocol (``benchmarks/baselines/protocol.py``). Prints one
-table of prefill and decode tokens/s plus the ratios the CPU-performance issue targets.
+table of prefill and decode tokens/s plus the ratios the CPU-performance issue targets, and beside it the
+host's CPU model, ISA flags, measured read bandwidth and the linear kernels the engine selected
+(``cpu_facts.py``): numbers from two hosts are only comparable next to those.
 
 transformers runs with this interpreter. vLLM CPU and llama.cpp live in their own virtual
 environments (their dependencies clash with ours); point at their interpreters with
@@ -38,6 +40,7 @@ from common import (  # noqa: E402
     log,
     machine_facts,
 )
+from cpu_facts import format_facts, host_facts, kernel_selection  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RUNNERS = Path(__file__).resolve().parent / "baselines"
@@ -188,6 +191,11 @@ def main(argv: Optional[list[str]] = None) -> None:
     args = parse_args(argv)
     model_dir = ensure_qwen3_shape_checkpoint(args.model_dir)
     facts = machine_facts()
+    # Before the systems run, so the bandwidth is measured on a quiet machine. The kernel selection is the engine's
+    # own (the same per-machine cache), measured here once if the cache has no entry yet.
+    facts["host"] = host_facts()
+    facts["host"]["kernels"] = kernel_selection()
+    facts["host"]["kernels_int8"] = kernel_selection("int8")
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
         workload_path = Path(tmp) / "workload.json"
@@ -209,6 +217,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         f"\nQwen3-0.6B-shaped random weights, bf16, {facts['cpus']} CPUs ({facts['cpu']}), load {facts['load_avg_1m_start']}"
     )
     print(table(results, batches, args.prefill_len))
+    print(format_facts(facts["host"]))
     print(f"\nresults: {args.json}")
 
 

@@ -20,13 +20,18 @@ layer's weight with a kernel object:
   read by the native AVX-512 kernel at decode batch sizes; gated [gate | up] layers get the same
   SiLU epilogue as the bf16 kernel.
 
-fp32 on the CPU keeps ``F.linear`` (MKL's sgemm, which oneDNN's packed path does not reproduce
+- :class:`Int8OnednnLinear`: int8 values as bf16 in oneDNN's layout (AMX tiles where present), a candidate for int8.
+- :class:`RowDispatchLinear`: two of the above, picked per call by row count.
+
+For bf16 (and int8 with bf16 activations) the choice per layer shape is measured on this machine
+(:mod:`pagoda.layers.kernel_selection`). fp32 on the CPU keeps ``F.linear`` (MKL's sgemm, which oneDNN's packed path does not reproduce
 bit for bit), and so does every dtype on CUDA, where cuBLAS needs no help.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
@@ -37,7 +42,7 @@ from pagoda.capabilities import QUANTIZATION_DEVICES
 from pagoda.config import QUANTIZATIONS
 
 if TYPE_CHECKING:
-    from pagoda.layers.linear import Linear
+    from pagoda.layers.linear import Linear, LinearKernel
 
 logger = logging.getLogger(__name__)
 
@@ -253,32 +258,126 @@ def onednn_packing_available(dtype: torch.dtype) -> bool:
     return False
 
 
+@dataclass(slots=True)
+class Int8OnednnLinear:
+    """Weight-only int8 for bf16 activations through oneDNN: ``y = (x @ q^T) * scale``, with q held as bf16 (exact,
+    |q| <= 127) in oneDNN's packed layout, so the GEMM runs on AMX tiles where the CPU has them. Twice the bytes of
+    the int8 weight; the selection keeps it only for the row counts where it is faster (prefill on AMX hosts).
+    The GEMM output is rounded to bf16 before the scale (one more rounding than the native kernel).
+    """
+
+    packed: PackedLinear  # q as bf16, no bias
+    scales: torch.Tensor  # [out] float32
+    bias: Optional[torch.Tensor]  # [out]
+    name: str = "int8-onednn"
+
+    @staticmethod
+    def from_weight(weight: torch.Tensor, bias: Optional[torch.Tensor]) -> Int8OnednnLinear:
+        qweight, scales = quantize_int8_per_channel(weight)
+        bias = None if bias is None else bias.detach().float()
+        return Int8OnednnLinear(PackedLinear.from_weight(qweight.to(torch.bfloat16), None), scales, bias)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., in] bf16 -> [..., out]
+        y = self.packed(x).float() * self.scales
+        return (y if self.bias is None else y + self.bias).to(x.dtype)
+
+    def float_output(self, x: torch.Tensor) -> torch.Tensor:
+        return self(x).float()
+
+
+@dataclass(slots=True)
+class RowDispatchLinear:
+    """Two kernels of one layer (each with its own copy of the weight): ``small`` below ``crossover`` rows, ``large``
+    from there. Chosen by :mod:`pagoda.layers.kernel_selection` where one kernel wins decode and another prefill;
+    each call's result is bit-identical to the member that served it."""
+
+    small: LinearKernel
+    large: LinearKernel
+    crossover: int  # the first row count served by ``large``
+    name: str
+
+    @staticmethod
+    def of(small: LinearKernel, large: LinearKernel, crossover: int) -> RowDispatchLinear:
+        return RowDispatchLinear(small, large, crossover, f"{small.name}<{crossover}|{large.name}")
+
+    def member(self, x: torch.Tensor) -> LinearKernel:
+        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        return self.large if rows >= self.crossover else self.small
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.member(x)(x)
+
+    def float_output(self, x: torch.Tensor) -> torch.Tensor:
+        return self.member(x).float_output(x)
+
+    def silu_and_mul(self, x: torch.Tensor) -> Optional[torch.Tensor]:
+        """The member's fused ``silu(gate) * up`` where it has one for ``x``; None: the caller applies the op."""
+        fused = getattr(self.member(x), "silu_and_mul", None)
+        return None if fused is None else fused(x)
+
+
 def prepare_linear_layers(
     model: nn.Module, device: torch.device, dtype: torch.dtype, quantization: Optional[str]
 ) -> dict[str, int]:
-    """Give every Linear of ``model`` its kernel; return how many layers got which kernel."""
+    """Give every Linear of ``model`` its kernel; return how many layers got which kernel.
+
+    bf16 on the CPU (and int8 with bf16 activations) chooses between the native and oneDNN kernels per layer shape by
+    timing them here (:mod:`pagoda.layers.kernel_selection`; ``$PAGODA_CPU_KERNELS`` forces one kind).
+    """
+    from pagoda.layers.kernel_timing import ModelKernelSelector
     from pagoda.layers.linear import Linear, MergedLinear
 
     validate_quantization(quantization, device)
-    pack = device.type == "cpu" and onednn_packing_available(dtype)
-    native_bf16 = device.type == "cpu" and dtype == torch.bfloat16 and native_linear_support(NATIVE_BF16)
+    cpu = device.type == "cpu"
+    pack = cpu and onednn_packing_available(dtype)
+    native_bf16 = cpu and dtype == torch.bfloat16 and native_linear_support(NATIVE_BF16)
+    selector = ModelKernelSelector(dtype, quantization) if cpu and dtype == torch.bfloat16 else None
     counts: dict[str, int] = {}
-    for layer in model.modules():
+    for module_name, layer in model.named_modules():
         if not isinstance(layer, Linear):
             continue
         gated = isinstance(layer, MergedLinear) and layer.gated
-        kernel = _kernel_for(layer, pack, native_bf16, quantization, gated)
+        if selector is not None:
+            role = "gated" if gated else "logits" if module_name.rsplit(".", 1)[-1] == "lm_head" else "linear"
+            kernel = selector.kernel(layer, role, candidate_kernels(layer.out_features, gated, quantization))
+        else:
+            kernel = _kernel_for(layer, pack, native_bf16, quantization, gated)
         if kernel is not None:
             layer.set_kernel(kernel)
         name = kernel.name if kernel is not None else "torch-linear"
         counts[name] = counts.get(name, 0) + 1
+    if selector is not None:
+        selector.finish()
     logger.info("linear kernels: %s", ", ".join(f"{n} x{c}" for n, c in sorted(counts.items())))
     return counts
+
+
+KernelBuilder = Callable[[torch.Tensor, Optional[torch.Tensor]], "LinearKernel"]
+
+
+def candidate_kernels(out_features: int, gated: bool, quantization: Optional[str]) -> dict[str, KernelBuilder]:
+    """The kernels that can serve a bf16 CPU layer of ``out_features`` rows, by selection name, preferred first."""
+    pack = onednn_packing_available(torch.bfloat16)
+    native_bf16 = native_linear_support(NATIVE_BF16)
+    candidates: dict[str, KernelBuilder] = {}
+    if quantization == "int8":
+        candidates["native"] = lambda w, b: Int8WeightOnlyLinear.from_weight(w, b, gated)
+        if pack and native_linear_support(NATIVE_INT8):  # without the native kernel int8 stays as it was
+            candidates["onednn"] = Int8OnednnLinear.from_weight
+        return candidates
+    if native_bf16 and gated and gated_tiles_fit(out_features):
+        candidates["native"] = NativeGatedBf16Linear.from_weight
+    elif native_bf16:
+        candidates["native"] = NativeBf16Linear.from_weight
+    if pack:
+        candidates["onednn"] = PackedLinear.from_weight
+    return candidates
 
 
 def _kernel_for(
     layer: Linear, pack: bool, native_bf16: bool, quantization: Optional[str], gated: bool
 ) -> Optional[NativeBf16Linear | NativeGatedBf16Linear | PackedLinear | Int8WeightOnlyLinear]:
+    """fp32 and fp16 models and CUDA: the fixed choice (no timing)."""
     bias = None if layer.bias is None else layer.bias.detach()
     if quantization == "int8":  # the fused epilogue takes bf16 activations: other dtypes keep checkpoint order
         return Int8WeightOnlyLinear.from_weight(layer.weight, bias, gated and layer.weight.dtype == torch.bfloat16)
