@@ -84,15 +84,15 @@ def random_tokens(seed: int, count: int, vocab_size: int) -> list[int]:
 # ---- the Qwen3-shaped checkpoint ------------------------------------------------------------
 
 
-def ensure_qwen3_shape_checkpoint(model_dir: Path) -> Path:
-    """Build (once) a bf16 checkpoint with Qwen3-0.6B's shapes and random weights in ``model_dir``."""
+def ensure_qwen3_shape_checkpoint(model_dir: Path, shape: Optional[dict] = None) -> Path:
+    """Build (once) a bf16 checkpoint with Qwen3-0.6B's shapes (or ``shape``) and random weights in ``model_dir``."""
     if (model_dir / "config.json").is_file() and (model_dir / "tokenizer.json").is_file():
-        log(f"reusing the Qwen3-0.6B-shaped checkpoint in {model_dir}")
+        log(f"reusing the Qwen3-shaped checkpoint in {model_dir}")
         return model_dir
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    log(f"building a Qwen3-0.6B-shaped random-weight checkpoint in {model_dir} (once)")
-    config = Qwen3Config(**QWEN3_SHAPE)
+    log(f"building a Qwen3-shaped random-weight checkpoint in {model_dir} (once)")
+    config = Qwen3Config(**(shape or QWEN3_SHAPE))
     torch.manual_seed(0)
     model = Qwen3ForCausalLM._from_config(config, dtype=torch.bfloat16)  # init: normal(std=0.02)
     # Written aside and renamed, so an interrupted build is never mistaken for a finished one.

@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import pickle
-import shutil
 import statistics
 import time
 import traceback
@@ -21,7 +20,7 @@ from typing import Any, Optional
 
 import torch
 
-from common import QWEN3_SHAPE, _save_word_tokenizer, log
+from common import QWEN3_SHAPE, ensure_qwen3_shape_checkpoint
 
 # --quick: the Qwen3 architecture at toy sizes (loads in a second; every code path of the full run).
 QUICK_SHAPE = dict(
@@ -39,23 +38,8 @@ _ISA_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_
 
 
 def ensure_quick_checkpoint(model_dir: Path) -> Path:
-    """A bf16 random-weight checkpoint of QUICK_SHAPE (built once, like ``ensure_qwen3_shape_checkpoint``)."""
-    if (model_dir / "config.json").is_file() and (model_dir / "tokenizer.json").is_file():
-        return model_dir
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    log(f"building the --quick checkpoint in {model_dir}")
-    config = Qwen3Config(**QUICK_SHAPE)
-    torch.manual_seed(0)
-    model = Qwen3ForCausalLM._from_config(config, dtype=torch.bfloat16)
-    partial = model_dir.with_name(model_dir.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
-    model.save_pretrained(partial, safe_serialization=True)
-    _save_word_tokenizer(partial, config.vocab_size)
-    shutil.rmtree(model_dir, ignore_errors=True)
-    partial.rename(model_dir)
-    return model_dir
+    """A bf16 random-weight checkpoint of QUICK_SHAPE (built once)."""
+    return ensure_qwen3_shape_checkpoint(model_dir, QUICK_SHAPE)
 
 
 def cpu_flags() -> str:

@@ -156,6 +156,11 @@ class TorchAttentionBackend:
 
     name = "torch"
 
+    def __init__(self) -> None:
+        # Steps with prompt rows on bf16/fp16: 'native' or 'sdpa' (oneDNN, AMX where present); chosen by timing at
+        # start-up (pagoda.worker.attention_choice). Pure-decode steps always take the native kernel.
+        self.prefill_kernel = "native"
+
     def prepare(self, meta: AttentionMetadata) -> None:
         # Which path a layer takes depends on its dtype; each path builds its own state on first use.
         meta.backend_state["prepared_by"] = self.name
@@ -211,7 +216,7 @@ class TorchAttentionBackend:
         spec: AttentionLayerSpec,
     ) -> torch.Tensor:
         num_kv_heads, head_dim = spec.num_kv_heads, spec.head_dim
-        if native_attention_applies(q, spec):
+        if native_attention_applies(q, spec) and not (self.prefill_kernel == "sdpa" and _has_prompt_rows(meta)):
             query_start_loc, seq_lens = self._prepare_native(meta)
             return torch.ops.pagoda_cpu.paged_attention(  # writes this step's K/V into the caches first
                 q,
@@ -283,6 +288,14 @@ class TorchAttentionBackend:
                 mask = valid & (pos.unsqueeze(0) >= first)
                 state["masks"][spec.sliding_window] = mask
         return _sdpa(q.unsqueeze(1), ctx_k, ctx_v, mask[:, None, None, :], spec)[:, 0]
+
+
+def _has_prompt_rows(meta: AttentionMetadata) -> bool:
+    """Whether any request of the step has more than one query token (a prompt chunk), once per step."""
+    state = meta.backend_state
+    if "has_prompt_rows" not in state:
+        state["has_prompt_rows"] = meta.num_tokens > meta.num_reqs
+    return state["has_prompt_rows"]
 
 
 def _gather(cache: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

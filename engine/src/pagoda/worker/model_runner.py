@@ -24,6 +24,7 @@ from pagoda.worker.attention import (
     build_metadata,
     token_positions,
 )
+from pagoda.worker.attention_choice import choose_prefill_attention
 from pagoda.worker.attention_triton import TritonAttentionBackend
 from pagoda.worker.cuda_graphs import DecodeCudaGraphs
 from pagoda.worker.kv_sizing import KVCacheShape, gpu_num_blocks
@@ -130,7 +131,10 @@ class ModelRunner:
         return self.tp.all_reduce_min(blocks)
 
     def allocate_kv_cache(self, shape: KVCacheShape, num_blocks: int) -> None:
-        """Create every layer's cache once; zeroed so padded reads never see NaN garbage."""
+        """Create every layer's cache once; zeroed so padded reads never see NaN garbage. On CPU, also time the two
+        prefill-attention kernels for this model's head layout (see :mod:`pagoda.worker.attention_choice`)."""
+        if self.device.type == "cpu" and isinstance(self.attn_backend, TorchAttentionBackend):
+            choose_prefill_attention(self.attn_backend, self.model.model.layers[0].self_attn.attn.spec, self.dtype)
         self.kv_shape = shape
         self.kv_caches = [
             torch.zeros(shape.layer_shape(num_blocks), dtype=self.dtype, device=self.device)
