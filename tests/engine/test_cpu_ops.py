@@ -93,3 +93,21 @@ def test_argmax_rows_handles_nan_and_infinities_like_torch() -> None:
     logits[0, 80] = float("nan")
     assert torch.equal(argmax_rows(logits), logits.argmax(dim=-1))
     assert argmax_rows(logits).tolist() == [70, 99, 5, 0]
+
+
+def test_a_build_lock_left_by_a_killed_process_does_not_hang_the_next_start() -> None:
+    # torch's build lock is a plain file; a process killed while compiling leaves it behind. The next start must
+    # load the kernels (here already built) instead of waiting for that file forever.
+    import subprocess
+    import sys
+
+    from pagoda.cpu import _build_dir
+
+    if not cpu_ops():
+        pytest.skip("the native CPU kernels do not build on this machine")
+    (_build_dir() / "lock").touch()
+    code = "from pagoda.cpu import cpu_ops; assert cpu_ops()"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    assert "removing a stale build lock" in result.stderr
+    assert not (_build_dir() / "lock").exists()

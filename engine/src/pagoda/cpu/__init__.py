@@ -8,14 +8,17 @@ ops, which are slower but give the same results up to rounding.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
+import fcntl
 import functools
 import hashlib
 import logging
 import os
 import platform
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -56,20 +59,39 @@ def cpu_ops() -> bool:
     here = Path(__file__).resolve().parent
     start = time.monotonic()
     try:
-        load(
-            name="pagoda_cpu_ops",
-            sources=[str(here / name) for name in _SOURCES],
-            extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(_build_dir()),
-            is_python_module=False,
-            verbose=False,
-        )
+        build_dir = _build_dir()
+        with _exclusive_build(build_dir):
+            load(
+                name="pagoda_cpu_ops",
+                sources=[str(here / name) for name in _SOURCES],
+                extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(build_dir),
+                is_python_module=False,
+                verbose=False,
+            )
     except Exception as exc:  # a missing compiler or ninja must not stop the engine
         logger.warning("native CPU kernels unavailable (%s); using slower stock PyTorch ops", exc)
         return False
     logger.info("native CPU kernels ready in %.1f s", time.monotonic() - start)
     return True
+
+
+@contextlib.contextmanager
+def _exclusive_build(build_dir: Path) -> Iterator[None]:
+    """torch's build lock is a plain file (``lock``, its FileBaton): a process killed mid-build (OOM, a pod deleted
+    during start-up) leaves it behind, and every later start then waits for it forever. An flock is released by the
+    kernel when its holder dies, so while this process holds one, any ``lock`` file left in the directory is stale."""
+    with open(build_dir / "build.flock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            stale = build_dir / "lock"
+            if stale.exists():
+                logger.warning("removing a stale build lock left by a process that died while compiling: %s", stale)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 _FUSED_DTYPES = (torch.bfloat16, torch.float16)
