@@ -34,7 +34,6 @@ QUICK_SHAPE = dict(
     head_dim=64,
     max_position_embeddings=2048,
 )
-_ISA_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16")
 
 
 def ensure_quick_checkpoint(model_dir: Path) -> Path:
@@ -44,16 +43,10 @@ def ensure_quick_checkpoint(model_dir: Path) -> Path:
 
 def cpu_flags() -> str:
     """The vector-ISA flags that decide the CPU kernels (present ones, then the absent ones marked 'no')."""
-    flags: set[str] = set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                break
-    except OSError:
-        return "unknown"
-    have = [f for f in _ISA_FLAGS if f in flags]
-    return " ".join(have + [f"no {f}" for f in _ISA_FLAGS if f not in flags])
+    from pagoda.cpu.cpu_features import isa_flags
+
+    flags = isa_flags()
+    return " ".join([f for f, on in flags.items() if on] + [f"no {f}" for f, on in flags.items() if not on])
 
 
 def proc_memory(pid: Any = "self") -> dict[str, int]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
@@ -30,6 +30,9 @@ from pagoda.worker.cuda_graphs import DecodeCudaGraphs
 from pagoda.worker.kv_sizing import KVCacheShape, gpu_num_blocks
 from pagoda.worker.logits_processing import PenaltyCounts
 from pagoda.worker.sampler import Sampler, SamplingRow, compute_prompt_logprobs
+
+if TYPE_CHECKING:
+    from pagoda.distributed.executor import WorkerGroup
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +84,7 @@ class ModelRunner:
         assert lora is None or tp.world_size == 1, "adapters are not sharded across ranks"
         self.model_config = model_config
         self.tp = tp
-        self.workers: Optional[Any] = None  # rank 0 under tensor parallelism: the WorkerGroup of ranks 1..N-1
+        self.workers: Optional[WorkerGroup] = None  # rank 0 under tensor parallelism: ranks 1..N-1
         self.dtype = dtype
         self.device = device
         assert attention_backend in ("torch", "triton"), attention_backend
