@@ -17,9 +17,18 @@ import pagoda
 CONTRACT_VERSION = 1
 MODEL_SOURCES = ("builtin", "local", "hf", "s3")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-# Quantization methods and the devices that run them (weight-only int8 has CPU kernels only).
-QUANTIZATION_DEVICES: dict[str, tuple[str, ...]] = {"int8": ("cpu",)}
-KV_CACHE_DTYPES = ("auto",)
+# Quantization methods and the devices that run them: AWQ and GPTQ checkpoints (int4/int8 groups), FP8 (checkpoints
+# or applied at load), and weight-only int8 applied at load (CPU kernels only).
+QUANTIZATION_DEVICES: dict[str, tuple[str, ...]] = {
+    "awq": ("cpu", "cuda"),
+    "gptq": ("cpu", "cuda"),
+    "fp8": ("cpu", "cuda"),
+    "int8": ("cpu",),
+}
+# Methods whose tensors come quantized in the checkpoint: not sharded across tensor-parallel ranks yet (fp8 applied
+# at load and int8 are quantized per rank, after sharding; an FP8 checkpoint with N > 1 fails at start-up).
+CHECKPOINT_QUANTIZATIONS_WITHOUT_TENSOR_PARALLEL = ("awq", "gptq")
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")
 # Tensor parallelism within one node: one worker process per device (GPUs over NCCL, CPU processes over gloo).
 TENSOR_PARALLEL_MAX = 8
 # Adapters are not sharded across tensor-parallel ranks yet: --enable-lora needs --tensor-parallel-size 1.
@@ -46,6 +55,9 @@ def capabilities(serve_parser: argparse.ArgumentParser) -> dict[str, Any]:
                 "quantization": sorted(q for q, devices in QUANTIZATION_DEVICES.items() if device in devices),
                 "kv_cache_dtypes": list(KV_CACHE_DTYPES),
                 "tensor_parallel_max": TENSOR_PARALLEL_MAX,
+                "quantization_without_tensor_parallel": sorted(
+                    q for q in CHECKPOINT_QUANTIZATIONS_WITHOUT_TENSOR_PARALLEL if device in QUANTIZATION_DEVICES[q]
+                ),
             }
             for device in DEVICES
         },

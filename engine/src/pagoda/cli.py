@@ -20,6 +20,7 @@ from pagoda.config import (
     DEFAULT_MAX_LORAS,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_SEQS,
+    KV_CACHE_DTYPES,
     QUANTIZATIONS,
     EngineArgs,
 )
@@ -42,7 +43,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "-q",
         default=None,
         choices=list(QUANTIZATIONS),
-        help="int8: weight-only int8 with per-output-channel scales (CPU; half the weight bytes of bf16)",
+        help="default: the checkpoint's (config.json quantization_config). awq, gptq: int4/int8 checkpoints; fp8: an "
+        "FP8 checkpoint, or FP8 applied at load; int8: weight-only int8 applied at load (CPU)",
+    )
+    parser.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=list(KV_CACHE_DTYPES),
+        help="auto: the model's dtype; fp8_e4m3 / fp8_e5m2: FP8 KV blocks (twice the tokens; per-tensor scales from "
+        "the checkpoint, else 1.0)",
     )
     parser.add_argument("--max-model-len", type=int, default=None, help="default: the model's max_position_embeddings")
     parser.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help="tokens per KV block")
@@ -165,6 +174,7 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
         attention_backend=ns.attention_backend,
         enforce_eager=ns.enforce_eager,
         quantization=ns.quantization,
+        kv_cache_dtype=ns.kv_cache_dtype,
         structured_output_max_whitespace=ns.structured_output_max_whitespace,
         enable_lora=ns.enable_lora,
         max_loras=ns.max_loras,

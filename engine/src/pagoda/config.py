@@ -8,10 +8,17 @@ from importlib import resources
 from pathlib import Path
 from typing import Optional, Union
 
-from pagoda.capabilities import DEFAULT_MAX_LORA_RANK, DEFAULT_MAX_LORAS, LORA_RANKS, QUANTIZATION_DEVICES
+from pagoda.capabilities import (
+    CHECKPOINT_QUANTIZATIONS_WITHOUT_TENSOR_PARALLEL,
+    DEFAULT_MAX_LORA_RANK,
+    DEFAULT_MAX_LORAS,
+    KV_CACHE_DTYPES,
+    LORA_RANKS,
+    QUANTIZATION_DEVICES,
+)
 
 DEFAULT_BLOCK_SIZE = 16
-# weight-only int8 with per-output-channel scales (CPU); the devices of each are in pagoda.capabilities
+# awq, gptq, fp8, int8 (see pagoda.quantization); the devices of each are in pagoda.capabilities
 QUANTIZATIONS = tuple(QUANTIZATION_DEVICES)
 DEFAULT_MAX_NUM_SEQS = 256
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
@@ -67,7 +74,9 @@ class EngineArgs:
     generation_config: str = "auto"  # auto: the model's generation_config.json supplies defaults; vllm: ignore it
     attention_backend: str = "auto"  # auto (triton on CUDA, torch on CPU) | torch | triton
     enforce_eager: bool = False  # True: never capture CUDA graphs (every step runs eagerly)
-    quantization: Optional[str] = None  # None | int8 (weight-only, per-channel scales; CPU)
+    # None: the checkpoint's own (config.json's quantization_config), else unquantized | awq | gptq | fp8 | int8
+    quantization: Optional[str] = None
+    kv_cache_dtype: str = "auto"  # auto (the model's dtype) | fp8_e4m3 | fp8_e5m2 (per-tensor scales)
     # Structured outputs: the longest run of whitespace a JSON output may hold between tokens (0: compact JSON).
     structured_output_max_whitespace: int = 0
     # LoRA adapters (see pagoda.lora): off unless enabled; the slots and caches are sized here.
@@ -115,6 +124,8 @@ class EngineArgs:
             raise ValueError(
                 f"quantization {self.quantization!r} is not supported (supported: {', '.join(QUANTIZATIONS)})"
             )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.structured_output_max_whitespace < 0:
             raise ValueError(
                 f"structured_output_max_whitespace must be >= 0, got {self.structured_output_max_whitespace}"
@@ -135,6 +146,11 @@ class EngineArgs:
             raise ValueError(
                 "LoRA adapters are not served with tensor parallelism yet: use --tensor-parallel-size 1 with "
                 "--enable-lora"
+            )
+        if self.tensor_parallel_size > 1 and self.quantization in CHECKPOINT_QUANTIZATIONS_WITHOUT_TENSOR_PARALLEL:
+            raise ValueError(
+                f"{self.quantization} checkpoints are not sharded across tensor-parallel ranks yet: use "
+                "--tensor-parallel-size 1"
             )
         if self.distributed_timeout_seconds <= 0:
             raise ValueError(f"distributed_timeout_seconds must be positive, got {self.distributed_timeout_seconds}")

@@ -70,6 +70,7 @@ def load_model(
     device: Union[str, torch.device] = "cpu",
     config: Optional[ModelConfig] = None,
     tp: TensorParallel = SINGLE,
+    quantization: Optional[str] = None,
 ) -> nn.Module:
     """Instantiate the checkpoint's architecture on ``device`` in ``dtype`` and load its weights (under tensor
     parallelism, this rank's shard of them).

@@ -33,6 +33,7 @@ class WorkerSpec:
     device_type: str  # cpu | cuda (rank r uses cuda:r)
     attention_backend: str
     quantization: Optional[str]
+    kv_cache_dtype: str
     world_size: int
     init_method: str  # tcp://127.0.0.1:<port>, rank 0's rendezvous
     shm_path: Optional[str]  # CPU: the shared-memory segment rank 0 created for the collectives (None: gloo only)
@@ -95,6 +96,7 @@ def _serve(spec: WorkerSpec, rank: int, commands: Connection) -> None:
         spec.attention_backend,
         quantization=spec.quantization,
         tp=tp,
+        kv_cache_dtype=spec.kv_cache_dtype,
     )
     logger.info("rank %d loaded its shard", rank)
     commands.send_bytes(b"ready")  # rank 0 waits for every worker before its first collective

@@ -45,7 +45,15 @@ def start_model_runner(
             workers = _start_workers(args, model_config, model_path, device, dtype, attention_backend, scheduler_config)
             tp = workers.join_group(device)
         runner = ModelRunner(
-            model_config, model_path, dtype, device, attention_backend, quantization=args.quantization, lora=lora, tp=tp
+            model_config,
+            model_path,
+            dtype,
+            device,
+            attention_backend,
+            quantization=args.quantization,
+            lora=lora,
+            tp=tp,
+            kv_cache_dtype=args.kv_cache_dtype,
         )
         if workers is not None:
             workers.wait_until_loaded()
@@ -82,6 +90,7 @@ def _start_workers(
         device,
         attention_backend,
         args.quantization,
+        args.kv_cache_dtype,
         size,
         args.distributed_timeout_seconds,
         max(all_reduce, gather),

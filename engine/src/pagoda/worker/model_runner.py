@@ -79,6 +79,7 @@ class ModelRunner:
         quantization: Optional[str] = None,
         lora: Optional[LoRASettings] = None,
         tp: TensorParallel = SINGLE,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         """``attention_backend`` is a resolved name, 'torch' or 'triton' (see ``resolve_attention_backend``)."""
         assert lora is None or tp.world_size == 1, "adapters are not sharded across ranks"
@@ -92,7 +93,8 @@ class ModelRunner:
             TritonAttentionBackend() if attention_backend == "triton" else TorchAttentionBackend()
         )
         self.cuda_graphs: Optional[DecodeCudaGraphs] = None
-        self.model = load_model(model_path, self.attn_backend, dtype, device, model_config, tp)
+        self.kv_cache_dtype = kv_cache_dtype  # auto | fp8_e4m3 | fp8_e5m2
+        self.model = load_model(model_path, self.attn_backend, dtype, device, model_config, tp, quantization)
         self.linear_kernels = prepare_linear_layers(self.model, device, dtype, quantization)
         self.lora: Optional[LoRAManager] = None
         if lora is not None:
