@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import format_table, log, machine_facts, machine_rows  # noqa: E402 (not a package)
 from gpu_common import Budget, copy_bandwidth, kernel_rows, run_kernels, run_pytest  # noqa: E402
+from gpu_quant import quant_rows, run_quant  # noqa: E402
 from gpu_tp import run_tp, tp_rows  # noqa: E402
 
 # Llama-3-8B's dimensions; the weights are random.
@@ -303,6 +304,7 @@ def table_rows(facts: dict, results: dict) -> list[tuple[str, ...]]:
     rows += [gap, ("bandwidth", "device copy", f"{bw.get('gb_per_s', 0):.0f} GB/s", detail)]
     rows += kernel_rows(results.get("kernels", {"skipped_groups": "all"}))
     rows += tp_rows(results.get("tp", {}))
+    rows += quant_rows(results.get("quant", {}))
     for key, r in results["e2e"].items():  # "error": the section itself failed
         rows += [gap, *(_e2e_rows(key, r) if isinstance(r, dict) else [("e2e", "ERROR", "", r)])]
     return rows
@@ -318,6 +320,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     add("--grace", type=float, default=20, help="past budget + grace a watchdog prints what was measured and exits")
     add("--kernel-seconds", type=float, default=60, help="seconds for the kernel measurements (0 skips them)")
     add("--tp-seconds", type=float, default=240, help="cap on the tensor-parallel section (2+ GPUs; 0 skips it)")
+    add("--quant-seconds", type=float, default=45, help="cap on the quantized GEMM section (0 skips it)")
     add("--models", default=None, help="comma-separated e2e models (default: qwen3,llama8b; smoke: stories,tiny-llama)")
     add("--num-prompts", type=int, default=256)
     add("--output-len", type=int, default=128)
@@ -376,7 +379,7 @@ def main(argv: Optional[list[str]] = None) -> None:
             sys.exit("no CUDA device: this check needs a GPU (--smoke runs its logic on CPU)")
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
     args.work_dir = Path(tempfile.mkdtemp(prefix="gpu-check-", dir=args.work_dir))  # this run's checkpoints
-    facts, results = machine_facts(), {"tp": {}, "e2e": {}}  # filled as sections finish, for the watchdog too
+    facts, results = machine_facts(), {"tp": {}, "quant": {}, "e2e": {}}  # filled as sections finish (watchdog too)
     watchdog = threading.Timer(args.budget + args.grace, _overrun, (args, facts, results))
     watchdog.daemon = True
     watchdog.start()
@@ -391,6 +394,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         run = lambda: run_kernels(args.smoke, seconds, args.warmup, args.reps, device, gbps)
         results["kernels"] = _section("kernels", run)
     results["tp"] |= _section("tp", lambda: run_tp(args, budget, results["tp"]) or {})
+    results["quant"] |= _section("quant", lambda: run_quant(args, budget, results["quant"]) or {})
     results["e2e"] |= _section("e2e", lambda: run_e2e(args, budget, device, copy_gbps, results["e2e"]) or {})
     watchdog.cancel()
     shutil.rmtree(args.work_dir, ignore_errors=True)
