@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import pagoda.worker.attention as attention
-from pagoda.worker.attention import AttentionLayerSpec, TorchAttentionBackend, build_metadata
+from pagoda.worker.attention import AttentionLayerSpec, TorchAttentionBackend, build_metadata, quantize_kv
 
 pytestmark = pytest.mark.skipif(
     not attention._native_attention_built(), reason="native CPU kernels unavailable (no compiler or no AVX-512)"
@@ -181,3 +181,98 @@ def test_slots_outside_the_cache_raise_before_anything_is_written():
     assert torch.equal(kv_cache, before)
     with pytest.raises(RuntimeError, match="come together"):
         torch.ops.pagoda_cpu.paged_attention(q, kv_cache[0], kv_cache[1], meta.block_tables, starts, lens, 1.0, 0, k)
+
+
+# ---- fp8 caches: the kernel writes codes of K / k_scale and V / v_scale and reads code * scale --------------------
+FP8_DTYPES = [torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+def fp8_step(step, fp8: torch.dtype, k_scale: float, v_scale: float):
+    """``step`` over an fp8 cache: its random contents quantized through the scales."""
+    q, k, v, kv_cache, meta = step
+    cache = torch.stack([quantize_kv(kv_cache[0], k_scale, fp8), quantize_kv(kv_cache[1], v_scale, fp8)])
+    return q, k, v, cache, meta
+
+
+@pytest.mark.parametrize("fp8", FP8_DTYPES, ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("heads, head_dim, window", [((8, 2), 128, None), ((4, 2), 32, 9)])
+def test_fp8_cache_native_kernel_matches_sdpa(fp8, case, dtype, heads, head_dim, window, monkeypatch):
+    # bf16 at 128 with 4 query heads per KV head takes the vdpbf16ps tiles (decode rows too); fp16 and the
+    # 2-head groups of bf16 decode rows the float32 stages
+    k_scale, v_scale = 2 / torch.finfo(fp8).max, 0.5  # keys beyond +-2 saturate
+    spec = AttentionLayerSpec(*heads, head_dim, head_dim**-0.5, window, k_scale=k_scale, v_scale=v_scale)
+    step = fp8_step(make_step(*CASES[case], *heads, head_dim, block_size=16, dtype=dtype), fp8, k_scale, v_scale)
+    want, want_cache = attend(step, spec, native=False, monkeypatch=monkeypatch)
+    got, got_cache = attend(step, spec, native=True, monkeypatch=monkeypatch)
+    assert got.dtype == dtype and got_cache.dtype == fp8
+    assert torch.equal(got_cache.view(torch.uint8), want_cache.view(torch.uint8))  # the same codes written
+    assert (got_cache[0].float().abs() == torch.finfo(fp8).max).any()  # some keys saturated
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+def finite_codes(fp8: torch.dtype, count: int) -> torch.Tensor:
+    """The format's finite codes (subnormals included) as uint8, cycled to ``count``."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes = codes[torch.isfinite(codes.view(fp8).float())]
+    return codes.repeat(-(-count // len(codes)))[:count]
+
+
+def one_token_requests(values: torch.Tensor, heads: int) -> tuple:
+    """A decode request per row of ``values`` [n, head_dim] (uint8 codes), each with a context of two tokens in
+    its own block: token 0 has key = value = that row, token 1 zeros. (tables, query_start_loc, seq_lens, cache)."""
+    n, head_dim = values.shape
+    cache = torch.zeros(2, n, 16, 1, head_dim, dtype=torch.uint8)
+    cache[:, :, 0, 0] = values
+    tables = torch.arange(n).unsqueeze(1)
+    return tables, torch.arange(n + 1), torch.full((n,), 2), cache
+
+
+@pytest.mark.parametrize("fp8", FP8_DTYPES, ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_fp8_keys_including_subnormals_are_widened_exactly(fp8, dtype):
+    # Query head h is 8 * e_h: its score for token 0 is 64 * k0[h] (scale 8), for token 1 zero, so its output's
+    # dim 0 (v0[0] = 1, v1 = 0) is sigmoid(64 * k0[h]): a subnormal key read as 0 would be off by ~1e-3.
+    head_dim = 16
+    keys = finite_codes(fp8, 16 * head_dim).view(16, head_dim)
+    tables, starts, lens, cache = one_token_requests(keys, head_dim)
+    cache[1] = 0
+    cache[1, :, 0, 0, 0] = torch.tensor([1.0]).to(fp8).view(torch.uint8)
+    cache = cache.view(fp8)
+    q = (8 * torch.eye(head_dim)).expand(16, head_dim, head_dim).to(dtype)  # [requests, heads, head_dim]
+    out = torch.ops.pagoda_cpu.paged_attention(
+        q, cache[0], cache[1], tables, starts, lens, 8.0, 0, None, None, None, 1.0, 1.0
+    )
+    expected = torch.sigmoid(64 * cache[0, :, 0, 0].double())  # [requests, heads]
+    torch.testing.assert_close(out[..., 0].double(), expected, atol=2e-6 if dtype == torch.float32 else 1e-3, rtol=0)
+
+
+@pytest.mark.parametrize("fp8", FP8_DTYPES, ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("dtype, num_heads", [(torch.float32, 2), (torch.float16, 2), (torch.bfloat16, 8)])
+def test_fp8_values_including_subnormals_are_widened_exactly(fp8, dtype, num_heads):
+    # With zero keys and queries both context tokens weigh 1/2: the output is (v0 + 0) / 2 * v_scale, exact in
+    # float32 (and one rounding in 16 bits); bf16 with 8 heads per KV head runs the vdpbf16ps tiles.
+    values = finite_codes(fp8, 8 * 128).view(8, 128)
+    tables, starts, lens, cache = one_token_requests(values, 128)
+    cache[0] = 0
+    cache = cache.view(fp8)
+    q = torch.zeros(8, num_heads, 128, dtype=dtype)
+    out = torch.ops.pagoda_cpu.paged_attention(
+        q, cache[0], cache[1], tables, starts, lens, 0.1, 0, None, None, None, 1.0, 0.75
+    )
+    expected = (cache[1, :, 0, 0].float() * 0.75 / 2).to(dtype)  # [requests, head_dim]
+    assert torch.equal(out, expected.unsqueeze(1).expand_as(out))
+
+
+def test_fp8_cache_with_a_model_dtype_key_is_written_once_per_token(monkeypatch):
+    # float32 rows into an fp8 cache through the op (the backend never sends float32 to it, the op takes them)
+    q, k, v, kv_cache, meta = make_step([3, 1], [3, 20], 4, 2, 32, 16, torch.float32, seed=4)
+    cache = torch.zeros_like(kv_cache, dtype=torch.float8_e5m2)
+    torch.ops.pagoda_cpu.paged_attention(
+        q, cache[0], cache[1], meta.block_tables, torch.tensor(meta.query_start_loc), torch.tensor(meta.seq_lens),
+        0.1, 0, k, v, meta.slot_mapping, 0.5, 2.0,
+    )  # fmt: skip
+    flat = cache.view(2, -1, 2, 32)[:, meta.slot_mapping]
+    assert torch.equal(flat[0].view(torch.uint8), quantize_kv(k, 0.5, torch.float8_e5m2).view(torch.uint8))
+    assert torch.equal(flat[1].view(torch.uint8), quantize_kv(v, 2.0, torch.float8_e5m2).view(torch.uint8))

@@ -17,6 +17,7 @@ from pagoda_kernels.decode_attention import (
     paged_decode_attention,
     paged_decode_attention_reference,
 )
+from pagoda_kernels.kv_write import quantize_fp8_reference
 
 TOLERANCE = {
     torch.float32: dict(atol=1e-5, rtol=1e-4),
@@ -194,6 +195,61 @@ def test_rejects_invalid_inputs(change, message):
         paged_decode_attention(q, cache, tables, seq_lens, 0.25, **change)
 
 
+# ---- fp8 caches: codes of K / k_scale and V / v_scale, read back as code * scale --------------------------------
+FP8_DTYPES = [torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+def fp8_batch(batch: Batch, fp8: torch.dtype, k_scale: float, v_scale: float, q_dtype: torch.dtype) -> Batch:
+    """``batch`` with its cache quantized to ``fp8`` (K/V spread x8 so that some codes saturate; NaN poison stays
+    NaN codes) and its queries in ``q_dtype``."""
+    cache = torch.stack(
+        [
+            quantize_fp8_reference(batch.kv_cache[0] * 8, k_scale, fp8),
+            quantize_fp8_reference(batch.kv_cache[1] * 8, v_scale, fp8),
+        ]
+    )
+    return Batch(batch.q.to(q_dtype), cache, batch.block_tables, batch.seq_lens, batch.dense_k, batch.dense_v)
+
+
+def dequantized(batch: Batch, k_scale: float, v_scale: float) -> Batch:
+    """The same batch over a float32 cache holding code * scale."""
+    cache = torch.stack([batch.kv_cache[0].float() * k_scale, batch.kv_cache[1].float() * v_scale])
+    return Batch(batch.q.float(), cache, batch.block_tables, batch.seq_lens, batch.dense_k, batch.dense_v)
+
+
+@pytest.mark.parametrize("fp8", FP8_DTYPES, ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.float16])
+def test_fp8_cache_reads_code_times_scale(fp8, q_dtype):
+    # Non-1.0 scales, keys above 16 saturate; num_splits 2 (the 150-token context) also runs the merge stage over
+    # scaled partials.
+    k_scale, v_scale = 16 / torch.finfo(fp8).max, 2.5
+    batch = fp8_batch(make_batch(RAGGED_LENS, 8, 2, 64, 16, torch.float32, seed=9), fp8, k_scale, v_scale, q_dtype)
+    assert batch.kv_cache.dtype == fp8
+    assert (batch.kv_cache[0].float().abs() == torch.finfo(fp8).max).any()  # some keys saturated
+    expected = paged_decode_attention_reference(*_args(dequantized(batch, k_scale, v_scale))).to(q_dtype)
+    # the reference itself agrees with reading the fp8 cache through the scales
+    torch.testing.assert_close(reference(batch, k_scale=k_scale, v_scale=v_scale), expected, **TOLERANCE[q_dtype])
+    assert_matches(run_kernel(batch, k_scale=k_scale, v_scale=v_scale, num_splits=2), expected)
+    assert_matches(run_kernel(batch, k_scale=k_scale, v_scale=v_scale, num_splits=1), expected)
+
+
+def test_fp8_subnormal_values_come_back_exactly():
+    # A one-key context returns its value row: rows made of every finite e4m3 code, subnormals included.
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes = codes[torch.isfinite(codes.view(torch.float8_e4m3fn).float())][:240].view(2, 1, 120)
+    cache = torch.zeros(2, 2, 16, 1, 128, dtype=torch.uint8)
+    cache[1, :, 0, :, :120] = codes  # block b, offset 0: value row of sequence b
+    cache = cache.view(torch.float8_e4m3fn)
+    q = torch.randn(2, 2, 128)
+    out = paged_decode_attention(q, cache, torch.tensor([[0], [1]]), torch.tensor([1, 1]), 0.1, v_scale=0.75)
+    expected = cache[1, :, 0].float() * 0.75  # [2, 1, 128] -> both query heads of each sequence
+    assert torch.equal(out, expected.expand(2, 2, 128))
+
+
+def _args(batch: Batch) -> tuple:
+    return batch.q, batch.kv_cache, batch.block_tables, batch.seq_lens, batch.scale
+
+
 def gpu_batch(dtype, block_size, num_kv_heads=8, seed=7):
     gen = torch.Generator().manual_seed(seed)
     lens = torch.randint(1, 4097, (64,), generator=gen)
@@ -232,3 +288,22 @@ def test_gpu_replays_in_a_cuda_graph_with_new_lengths():
     out.fill_(float("nan"))
     graph.replay()
     assert_matches(out, reference(batch))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", FP8_DTYPES, ids=["e4m3", "e5m2"])
+def test_gpu_fp8_cache_at_realistic_shapes_and_in_a_cuda_graph(fp8):
+    k_scale, v_scale = 16 / torch.finfo(fp8).max, 2.5
+    batch = fp8_batch(gpu_batch(torch.float32, 16), fp8, k_scale, v_scale, torch.bfloat16)
+    expected = paged_decode_attention_reference(*_args(dequantized(batch, k_scale, v_scale))).to(torch.bfloat16)
+    assert_matches(run_kernel(batch, k_scale=k_scale, v_scale=v_scale), expected)
+    out = torch.empty_like(batch.q)
+    args = (*_args(batch),)
+    kwargs = dict(max_seq_len=4096, out=out, k_scale=k_scale, v_scale=v_scale)
+    paged_decode_attention(*args, **kwargs)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        paged_decode_attention(*args, **kwargs)
+    out.fill_(float("nan"))
+    graph.replay()
+    assert_matches(out, expected)

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from pagoda_kernels.extend_attention import paged_extend_attention, paged_extend_attention_reference
+from pagoda_kernels.kv_write import quantize_fp8_reference
 
 TOLERANCES = {
     torch.float32: dict(atol=2e-5, rtol=1e-4),
@@ -228,6 +229,41 @@ def test_rejects_inconsistent_inputs(num_heads, num_kv_heads, kv_head_dim, table
             fn(q, kv_cache, block_tables, query_start_loc, seq_lens, 4, 0.125)
 
 
+# ---- fp8 caches: codes of K / k_scale and V / v_scale, read back as code * scale --------------------------------
+FP8_DTYPES = [torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+def with_fp8_cache(batch: Batch, fp8: torch.dtype, q_dtype: torch.dtype) -> tuple[Batch, Batch, float, float]:
+    """(the batch over an fp8 cache with q in q_dtype, the same over the float32 dequantized cache, k_scale,
+    v_scale). Keys are spread x8 and k_scale puts |k| > 16 past the format's largest value: those saturate. NaN
+    slots stay NaN codes."""
+    k_scale, v_scale = 16 / torch.finfo(fp8).max, 0.3
+    cache = torch.stack(
+        [
+            quantize_fp8_reference(batch.kv_cache[0].float() * 8, k_scale, fp8),
+            quantize_fp8_reference(batch.kv_cache[1].float(), v_scale, fp8),
+        ]
+    )
+    assert (cache[0].float().abs() == torch.finfo(fp8).max).any()
+    dequantized = torch.stack([cache[0].float() * k_scale, cache[1].float() * v_scale])
+    fp8_batch = Batch(batch.q.to(q_dtype), cache, *batch.args()[2:])
+    return fp8_batch, Batch(batch.q.float(), dequantized, *batch.args()[2:]), k_scale, v_scale
+
+
+@pytest.mark.parametrize("fp8", FP8_DTYPES, ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("q_dtype, window", [(torch.float32, None), (torch.float16, 20)])
+def test_fp8_cache_reads_code_times_scale(fp8, q_dtype, window):
+    batch, reference_batch, k_scale, v_scale = with_fp8_cache(
+        make_batch(MIXED_BATCH, 4, 2, 32, 16, torch.float32, seed=11), fp8, q_dtype
+    )
+    want = paged_extend_attention_reference(*reference_batch.args(), sliding_window=window).to(q_dtype)
+    scales = dict(sliding_window=window, k_scale=k_scale, v_scale=v_scale)
+    # the reference reads the fp8 cache through the scales the same way
+    torch.testing.assert_close(paged_extend_attention_reference(*batch.args(), **scales), want, **TOLERANCES[q_dtype])
+    got = paged_extend_attention(*batch.args(), out=torch.full_like(batch.q, float("nan")), **scales)
+    torch.testing.assert_close(got, want, **TOLERANCES[q_dtype])
+
+
 # Realistic shapes (a GPU is needed): 8 requests, ~2k-token prefixes plus 512-token chunks, mixed with a fresh
 # prompt, an unaligned chunk and decode rows.
 GPU_BATCH = [(2048, 512), (2000, 512), (0, 512), (1999, 333), (2048, 1), (517, 512), (2100, 1), (1024, 500)]
@@ -262,3 +298,14 @@ def test_gpu_small_and_odd_head_dims_match_reference(head_dim, num_heads, num_kv
     got, want = kernel_and_reference(batch)
 
     torch.testing.assert_close(got, want, **TOLERANCES[torch.float16])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", FP8_DTYPES, ids=["e4m3", "e5m2"])
+def test_gpu_fp8_cache_realistic_batch_matches_reference(fp8):
+    batch, reference_batch, k_scale, v_scale = with_fp8_cache(
+        make_batch(GPU_BATCH, 32, 8, 128, 16, torch.float32, device="cuda"), fp8, torch.bfloat16
+    )
+    got = paged_extend_attention(*batch.args(), k_scale=k_scale, v_scale=v_scale)
+    want = paged_extend_attention_reference(*reference_batch.args()).to(torch.bfloat16)
+    torch.testing.assert_close(got, want, **TOLERANCES[torch.bfloat16])

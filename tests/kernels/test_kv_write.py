@@ -7,7 +7,7 @@ realistic shapes on a real device.
 import pytest
 import torch
 
-from pagoda_kernels.kv_write import write_kv, write_kv_reference
+from pagoda_kernels.kv_write import quantize_fp8_reference, write_kv, write_kv_reference
 
 NAN_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # a copy has no tl.dot: bf16 is exact here too
 
@@ -114,6 +114,58 @@ def test_rejects_mismatched_inputs(key_shape, slot_mapping, message):
         write_kv(key, key.clone(), cache, slot_mapping)
 
 
+# ---- fp8 caches: codes of value / scale, saturated, rounded to nearest even -------------------------------------
+FP8_DTYPES = [torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+def fp8_edge_values(fp8: torch.dtype) -> torch.Tensor:
+    """Every finite value of the format, the midpoints between neighbours (ties) and their float32 neighbours,
+    subnormals, out-of-range values that must saturate, +-inf, NaN and -0.0."""
+    values = torch.arange(256, dtype=torch.uint8).view(fp8).float()
+    values = values[torch.isfinite(values)].unique()  # sorted
+    mids = (values[1:] + values[:-1]) / 2
+    limit = torch.finfo(fp8).max
+    special = torch.tensor([limit * 1.01, -limit * 3, 1e30, float("inf"), -float("inf"), float("nan"), -0.0])
+    return torch.cat(
+        [values, mids, torch.nextafter(mids, values[-1:] * 2), torch.nextafter(mids, values[:1] * 2), special]
+    )
+
+
+def assert_same_codes(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    nan = torch.isnan(expected.float())
+    assert torch.isnan(actual.float())[nan].all()
+    assert torch.equal(actual.view(torch.uint8)[~nan], expected.view(torch.uint8)[~nan])
+
+
+def test_quantize_reference_saturates_and_rounds_to_nearest_even():
+    x = torch.tensor([448.0, 449.0, 1e6, -float("inf"), 17.0, 19.0, 2.0**-10, 3 * 2.0**-10])
+    codes = quantize_fp8_reference(x, 1.0, torch.float8_e4m3fn).float()
+    # 17 is the tie between 16 and 18 (step 2): even mantissa 16; 19 ties 18/20: 20. 2^-10 is half the smallest
+    # subnormal 2^-9: even 0; 3 * 2^-10 ties 2^-9 / 2^-8: 2^-8.
+    assert codes.tolist() == [448.0, 448.0, 448.0, -448.0, 16.0, 20.0, 0.0, 2.0**-8]
+    assert quantize_fp8_reference(torch.tensor([1e6]), 2.0, torch.float8_e5m2).item() == 57344.0
+
+
+@pytest.mark.parametrize("fp8", FP8_DTYPES, ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("dtype, k_scale, v_scale", [(torch.float32, 1.0, 1.0), (torch.bfloat16, 0.37, 3.0)])
+def test_fp8_cache_gets_the_reference_codes_for_every_edge_value(fp8, dtype, k_scale, v_scale):
+    values = fp8_edge_values(fp8)
+    num_tokens = -(-len(values) // 16)
+    padded = torch.cat([values, torch.randn(num_tokens * 16 - len(values))])
+    key = padded.view(num_tokens, 2, 8).to(dtype)
+    value = key.flip(0) * 0.5
+    slots = random_slots(num_tokens, num_tokens + 8, num_padding=3, dtype=torch.int64, generator=torch.Generator())
+    actual = torch.zeros(2, -(-(num_tokens + 8) // 4), 4, 2, 8, dtype=fp8)
+    expected = actual.clone()
+
+    write_kv(key, value, actual, slots, k_scale=k_scale, v_scale=v_scale)
+    write_kv_reference(key, value, expected, slots, k_scale=k_scale, v_scale=v_scale)
+
+    assert_same_codes(actual, expected)
+    limit = torch.finfo(fp8).max
+    assert (expected.float().abs() == limit).sum() >= 4  # the out-of-range values saturated
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("block_size", [16, 32])
@@ -129,3 +181,19 @@ def test_gpu_matches_reference_at_realistic_shapes(dtype, block_size):
     write_kv(key, value, actual, slots.to(torch.int32))
     write_kv_reference(key, value, expected, slots)
     assert_same_cache(actual, expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", FP8_DTYPES, ids=["e4m3", "e5m2"])
+def test_gpu_fp8_cache_gets_the_reference_codes(fp8):
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    num_tokens, num_kv_heads, head_dim, num_blocks, block_size = 4096, 8, 128, 512, 16
+    key = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen, device="cuda").to(torch.bfloat16) * 40
+    value = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen, device="cuda").to(torch.bfloat16)
+    slots = torch.randperm(num_blocks * block_size, generator=gen, device="cuda")[:num_tokens]
+    slots[::17] = -1
+    actual = torch.zeros(2, num_blocks, block_size, num_kv_heads, head_dim, dtype=fp8, device="cuda")
+    expected = actual.clone()
+    write_kv(key, value, actual, slots.to(torch.int32), k_scale=0.1, v_scale=0.7)
+    write_kv_reference(key, value, expected, slots, k_scale=0.1, v_scale=0.7)
+    assert_same_codes(actual, expected)

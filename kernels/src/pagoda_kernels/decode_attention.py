@@ -23,6 +23,10 @@ Stage 2, grid ``(num_seqs, num_heads)``: merges the runs of one head, weighting 
 ``exp2(lse_p - max_p lse_p)``. When every run is empty (seq_len 0, a padding row) the output is zeros.
 With num_splits == 1, stage 1 writes the normalised output directly and stage 2 is skipped.
 
+fp8 caches (float8_e4m3fn / float8_e5m2, see :mod:`pagoda_kernels.kv_write`) are read as uint8 codes and widened
+exactly in the tile loads (``fp8_decode``, then q's dtype for the dots); the K scale is folded into the score scale
+and the V scale into each run's normalised output.
+
 Nothing is read back to the host: num_splits depends on shapes only (``max_seq_len``, or the block table
 width times block_size), and the run length of each sequence is derived from its seq_len inside the kernel,
 so the call can be captured in a CUDA graph and is correct for any seq_lens whatever num_splits is.
@@ -38,6 +42,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagoda_kernels.kv_write import FP8_NONE, fp8_decode, fp8_format, fp8_read_factor, kernel_view
+
 _LOG2E = math.log2(math.e)
 _NO_WINDOW = 2**31 - 1  # a sliding window wider than any context
 _WAVES = 4  # target programs per SM for the split heuristic (a few resident programs per SM)
@@ -49,7 +55,7 @@ _MAX_SPLITS = 64
 def _attend_tile(
     q, m_i, l_i, acc, k_ptr, v_ptr, bt_row_ptr, tile_start, lo, end, kv_head_off, scale_log2,
     stride_kb, stride_kt, offs_n, offs_d, d_mask,
-    BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, FP8: tl.constexpr,
 ):  # fmt: skip
     """One online-softmax step over the BLOCK_N positions starting at tile_start (positions outside [lo, end) masked)."""
     pos = tile_start + offs_n  # [BLOCK_N]
@@ -59,7 +65,9 @@ def _attend_tile(
     row = block * stride_kb + (pos % BLOCK_SIZE) * stride_kt + kv_head_off  # [BLOCK_N] element offsets
     kv_mask = valid[:, None] & d_mask[None, :]
     # Masked loads also keep stale (even NaN) cache slots past seq_len out of the 0 * x products below.
-    k = tl.load(k_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+    k = tl.load(k_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0)  # [BLOCK_N, BLOCK_D]
+    if FP8 != 0:
+        k = fp8_decode(k, FP8).to(q.dtype)  # exact; the K scale is in scale_log2
     # Scores in log2 units (scale * log2(e) folded in, in fp32) so the softmax can use exp2.
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_G, BLOCK_N]
     s = tl.where(valid[None, :], s, float("-inf"))
@@ -67,7 +75,9 @@ def _attend_tile(
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
-    v = tl.load(v_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+    v = tl.load(v_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0)  # [BLOCK_N, BLOCK_D]
+    if FP8 != 0:
+        v = fp8_decode(v, FP8).to(q.dtype)  # exact; the V scale multiplies the normalised output
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     l_i = l_i * alpha + tl.sum(p, axis=1)
     return m_new, l_i, acc
@@ -76,12 +86,12 @@ def _attend_tile(
 @triton.jit
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, out_ptr, lse_ptr,
-    scale_log2, window,
+    scale_log2, window, v_factor,
     stride_qs, stride_qh, stride_kb, stride_kt, stride_kh, stride_bts,
     stride_os, stride_oh, stride_op, stride_ls, stride_lh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    DIRECT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DIRECT: tl.constexpr, DOT_PRECISION: tl.constexpr, FP8: tl.constexpr,
 ):  # fmt: skip
     # q: [num_seqs, num_heads, head_dim]; out: [num_seqs, num_heads, num_splits, head_dim] fp32 partials,
     # or [num_seqs, num_heads, head_dim] when DIRECT; lse: [num_seqs, num_heads, num_splits] fp32.
@@ -111,11 +121,13 @@ def _decode_split_kernel(
     for tile_start in range(start, end, BLOCK_N):
         m_i, l_i, acc = _attend_tile(
             q, m_i, l_i, acc, k_ptr, v_ptr, bt_row_ptr, tile_start, lo, end, kv_head * stride_kh, scale_log2,
-            stride_kb, stride_kt, offs_n, offs_d, d_mask, BLOCK_SIZE, DOT_PRECISION,
+            stride_kb, stride_kt, offs_n, offs_d, d_mask, BLOCK_SIZE, DOT_PRECISION, FP8,
         )  # fmt: skip
 
     has_keys = l_i > 0.0  # False only for an empty run
     result = acc / tl.where(has_keys, l_i, 1.0)[:, None]  # empty run: 0 / 1 = zeros
+    if FP8 != 0:
+        result = result * v_factor  # the runs' merge is linear in their outputs
     o_ptrs = out_ptr + seq * stride_os + heads[:, None] * stride_oh + offs_d[None, :]
     if DIRECT:
         tl.store(o_ptrs, result.to(out_ptr.dtype.element_ty), mask=qo_mask)
@@ -213,6 +225,8 @@ def paged_decode_attention(
     max_seq_len: Optional[int] = None,
     num_splits: Optional[int] = None,
     out: Optional[torch.Tensor] = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its paged context (flash-decoding, two stages).
 
@@ -220,7 +234,9 @@ def paged_decode_attention(
     block_tables: [num_seqs, max_blocks] int32/int64; seq_lens: [num_seqs] (0 = padding row -> zeros).
     The query sits at position seq_len - 1 and attends to [max(0, seq_len - sliding_window), seq_len).
     max_seq_len (a Python int bound on seq_lens) and num_splits only tune the launch; neither changes the
-    result. Returns ``out`` ([num_seqs, num_heads, head_dim], q.dtype), allocated when None.
+    result. An fp8 cache holds codes of K / k_scale and V / v_scale (plain Python floats, so a CUDA graph keeps
+    them); other caches ignore the scales. Returns ``out`` ([num_seqs, num_heads, head_dim], q.dtype), allocated
+    when None.
     """
     _check_inputs(q, kv_cache, block_tables, seq_lens, sliding_window, num_splits, out)
     num_seqs, num_heads, head_dim = q.shape
@@ -248,16 +264,22 @@ def paged_decode_attention(
     else:
         part = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
         lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
-    key_cache, value_cache = kv_cache[0], kv_cache[1]  # [num_blocks, block_size, num_kv_heads, head_dim]
+    fp8 = fp8_format(kv_cache.dtype)
+    if fp8 != FP8_NONE:
+        scale, v_factor = scale * k_scale * fp8_read_factor(fp8), v_scale * fp8_read_factor(fp8)
+    else:
+        v_factor = 1.0
+    codes = kernel_view(kv_cache)
+    key_cache, value_cache = codes[0], codes[1]  # [num_blocks, block_size, num_kv_heads, head_dim]
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, key_cache, value_cache, block_tables, seq_lens, part, lse,
-        scale * _LOG2E, sliding_window if sliding_window is not None else _NO_WINDOW,
+        scale * _LOG2E, sliding_window if sliding_window is not None else _NO_WINDOW, v_factor,
         q.stride(0), q.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
         part.stride(0), part.stride(1), part.stride(2) if num_splits > 1 else 0,
         lse.stride(0) if num_splits > 1 else 0, lse.stride(1) if num_splits > 1 else 0,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, NUM_SPLITS=num_splits,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
-        DIRECT=num_splits == 1, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        DIRECT=num_splits == 1, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FP8=fp8,
         num_warps=4, num_stages=2,
     )  # fmt: skip
     if num_splits > 1:
@@ -280,6 +302,8 @@ def paged_decode_attention_reference(
     max_seq_len: Optional[int] = None,
     num_splits: Optional[int] = None,
     out: Optional[torch.Tensor] = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Plain-torch :func:`paged_decode_attention` (the spec): one sequence at a time, fp32 softmax.
 
@@ -289,13 +313,15 @@ def paged_decode_attention_reference(
     num_seqs, num_heads, head_dim = q.shape
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     group = num_heads // num_kv_heads
+    if fp8_format(kv_cache.dtype) == FP8_NONE:
+        k_scale = v_scale = 1.0
     result = torch.zeros(num_seqs, num_heads, head_dim, dtype=torch.float32, device=q.device)
     for i, seq_len in enumerate(seq_lens.tolist()):
         first = 0 if sliding_window is None else max(0, seq_len - sliding_window)
         pos = torch.arange(first, seq_len, device=q.device)
         blocks = block_tables[i, pos // block_size].long()
-        keys = kv_cache[0, blocks, pos % block_size].float()  # [n, num_kv_heads, head_dim]
-        values = kv_cache[1, blocks, pos % block_size].float()
+        keys = kv_cache[0, blocks, pos % block_size].float() * k_scale  # [n, num_kv_heads, head_dim]
+        values = kv_cache[1, blocks, pos % block_size].float() * v_scale
         if len(pos) == 0:  # padding row: zeros
             continue
         # Query head h reads KV head h // group.

@@ -24,6 +24,8 @@ Algorithm (FlashAttention-2 style, one pass, online softmax in fp32 with ``exp2`
   starts at a large finite negative so a row that sees nothing in an early tile stays NaN-free.
 * ``head_dim`` is padded to ``BLOCK_D = max(16, next_power_of_2(head_dim))`` (``tl.dot`` needs every dim
   >= 16) with masked loads/stores, so head sizes such as 8 or 96 work.
+* An fp8 cache (see :mod:`pagoda_kernels.kv_write`) is read as uint8 codes widened exactly in the tile loads; the
+  K scale is folded into ``qk_scale``, the V scale into the final normalisation.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
+
+from pagoda_kernels.kv_write import FP8_NONE, fp8_decode, fp8_format, fp8_read_factor, kernel_view
 
 _LOG2E = 1.4426950408889634
 
@@ -49,6 +53,7 @@ def _extend_attention_kernel(
     seq_lens_ptr,  # [num_reqs] int32
     qk_scale,  # softmax scale * log2(e): scores live in the exp2 domain
     sliding_window,  # only read when USE_WINDOW
+    v_factor,  # only read when FP8: the V scale (times fp8_read_factor)
     stride_qt,
     stride_qh,
     stride_ot,
@@ -65,6 +70,7 @@ def _extend_attention_kernel(
     BLOCK_D: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -112,7 +118,9 @@ def _extend_attention_kernel(
             + offs_d[None, :]
         )
         kv_mask = pos_valid[:, None] & d_valid[None, :]
-        k = tl.load(k_cache_ptr + kv_offs, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+        k = tl.load(k_cache_ptr + kv_offs, mask=kv_mask, other=0)  # [BLOCK_N, BLOCK_D]
+        if FP8 != 0:
+            k = fp8_decode(k, FP8).to(q.dtype)  # exact; the K scale is in qk_scale
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
         # For a real row q_pos < hi, so the causal test also drops the tile's padding keys.
         visible = pos[None, :] <= q_pos[:, None]
@@ -124,12 +132,16 @@ def _extend_attention_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+        v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0)  # [BLOCK_N, BLOCK_D]
+        if FP8 != 0:
+            v = fp8_decode(v, FP8).to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
     # Every real row sees at least its own key (l_i > 0); padding rows may see none and are not stored.
     out = acc / tl.where(row_valid, l_i, 1.0)[:, None]
+    if FP8 != 0:
+        out = out * v_factor
     o_offs = (q_start + tok).to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
     tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
 
@@ -157,8 +169,8 @@ def _check_inputs(
         raise ValueError(f"head_dim mismatch: q has {head_dim}, kv_cache has {kv_cache.shape[4]}")
     if num_heads % num_kv_heads != 0:
         raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
-    if kv_cache.dtype != q.dtype:
-        raise ValueError(f"kv_cache dtype {kv_cache.dtype} differs from q dtype {q.dtype}")
+    if kv_cache.dtype != q.dtype and fp8_format(kv_cache.dtype) == FP8_NONE:
+        raise ValueError(f"kv_cache dtype {kv_cache.dtype} differs from q dtype {q.dtype} (and is not fp8)")
     num_reqs = seq_lens.shape[0]
     if seq_lens.dim() != 1 or query_start_loc.shape != (num_reqs + 1,):
         raise ValueError(
@@ -197,6 +209,8 @@ def paged_extend_attention(
     scale: float,
     sliding_window: Optional[int] = None,
     out: Optional[torch.Tensor] = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal attention of a varlen batch of query chunks over their paged context (Triton).
 
@@ -204,7 +218,8 @@ def paged_extend_attention(
     holding this step's K/V; block_tables: [num_reqs, max_blocks] int32/int64; query_start_loc: [num_reqs + 1]
     int32; seq_lens: [num_reqs] int32 (cached prefix + chunk); max_query_len: a Python int >= every request's
     query length (it sizes the grid; a smaller value leaves rows unwritten). Returns (or fills) out
-    [num_tokens, num_heads, head_dim] in q.dtype; rows past query_start_loc[-1] are left untouched.
+    [num_tokens, num_heads, head_dim] in q.dtype; rows past query_start_loc[-1] are left untouched. kv_cache is
+    in q's dtype, or fp8 holding codes of K / k_scale and V / v_scale (other caches ignore the scales).
     Never syncs with the device.
     """
     _check_inputs(q, kv_cache, block_tables, query_start_loc, seq_lens, max_query_len, sliding_window, out)
@@ -222,7 +237,12 @@ def paged_extend_attention(
         q = q.contiguous()
     if kv_cache.stride(-1) != 1:
         raise ValueError("kv_cache must be contiguous in its last dimension")
-    k_cache, v_cache = kv_cache[0], kv_cache[1]  # [num_blocks, block_size, num_kv_heads, head_dim]
+    fp8 = fp8_format(kv_cache.dtype)
+    qk_scale, v_factor = scale * _LOG2E, 1.0
+    if fp8 != FP8_NONE:
+        qk_scale, v_factor = qk_scale * k_scale * fp8_read_factor(fp8), v_scale * fp8_read_factor(fp8)
+    codes = kernel_view(kv_cache)
+    k_cache, v_cache = codes[0], codes[1]  # [num_blocks, block_size, num_kv_heads, head_dim]
 
     block_m, block_n, num_warps = _tile_config(q.device, max_query_len * group)
     grid = (num_reqs, num_kv_heads, triton.cdiv(max_query_len * group, block_m))
@@ -234,8 +254,9 @@ def paged_extend_attention(
         block_tables,
         query_start_loc,
         seq_lens,
-        scale * _LOG2E,
+        qk_scale,
         sliding_window or 0,
+        v_factor,
         q.stride(0),
         q.stride(1),
         out.stride(0),
@@ -252,6 +273,7 @@ def paged_extend_attention(
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         USE_WINDOW=sliding_window is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        FP8=fp8,
         num_warps=num_warps,
     )
     return out
@@ -267,6 +289,8 @@ def paged_extend_attention_reference(
     scale: float,
     sliding_window: Optional[int] = None,
     out: Optional[torch.Tensor] = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Plain-torch specification of :func:`paged_extend_attention` (same signature; loops over requests).
 
@@ -278,6 +302,8 @@ def paged_extend_attention_reference(
         out = torch.empty_like(q)
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     group = q.shape[1] // num_kv_heads
+    if fp8_format(kv_cache.dtype) == FP8_NONE:
+        k_scale = v_scale = 1.0
     starts = query_start_loc.tolist()
     for i, seq_len in enumerate(seq_lens.tolist()):
         start, end = starts[i], starts[i + 1]
@@ -288,8 +314,8 @@ def paged_extend_attention_reference(
             continue
         k_pos = torch.arange(seq_len, device=q.device)  # [seq_len]
         blocks = block_tables[i, k_pos // block_size].long()
-        keys = kv_cache[0, blocks, k_pos % block_size].float()  # [seq_len, num_kv_heads, head_dim]
-        values = kv_cache[1, blocks, k_pos % block_size].float()
+        keys = kv_cache[0, blocks, k_pos % block_size].float() * k_scale  # [seq_len, num_kv_heads, head_dim]
+        values = kv_cache[1, blocks, k_pos % block_size].float() * v_scale
         keys = keys.repeat_interleave(group, dim=1)  # [seq_len, num_heads, head_dim]: head h reads kv head h // group
         values = values.repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q[start:end].float(), keys) * scale  # [num_heads, q_len, seq_len]

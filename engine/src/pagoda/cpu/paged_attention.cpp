@@ -8,6 +8,9 @@
 //
 // Each query token at position p (its request has seq_len tokens after this step, the last q_len of
 // them are this step's queries) attends to positions [max(0, p - window + 1), p].
+//
+// fp8 caches: this step's K/V rows are quantized as they are written (K / k_scale, V / v_scale), and read back
+// exactly widened by the stages; any q dtype reads them.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -109,7 +112,7 @@ void finish_rows(const Rows& rows, const Task& task, int64_t query_start, const 
       j = 0;
       out_rows += s.num_heads * D;
     }
-    const float inv = rows.sum[r] > 0.0f ? 1.0f / rows.sum[r] : 0.0f;
+    const float inv = rows.sum[r] > 0.0f ? s.v_factor / rows.sum[r] : 0.0f;
     const float* ar = rows.acc + r * D;
 #ifdef PAGODA_ATTN_BF16_DOT
     if constexpr (is_bf16<T>()) {
@@ -151,22 +154,23 @@ inline void row_offsets(const int64_t* block_table, int64_t c0, int64_t n, int64
 
 // A task's first K rows, fetched while the thread still works on the task before it: tasks at decode
 // are short, and their first chunk would otherwise wait on memory row by row.
-template <typename T>
-void prefetch_first_keys(const Task& task, const T* key_cache, const int64_t* block_table, int64_t q_len,
+template <typename C>
+void prefetch_first_keys(const Task& task, const C* key_cache, const int64_t* block_table, int64_t q_len,
                          int64_t seq_len, const Shape& s) {
   const int64_t pos = seq_len - q_len + task.first_query;
   const int64_t lo = s.window > 0 ? std::max<int64_t>(0, pos - s.window + 1) : 0;
   // about 32 rows' worth of bytes: the first chunk of a one-head task
   const int64_t n = std::min(seq_len, lo + std::max<int64_t>(4, kKvChunk / task.kv_heads)) - lo;
   int64_t offsets[kKvChunk];
-  const T* rows[kKvChunk];
+  const C* rows[kKvChunk];
   row_offsets(block_table, lo, n, s.block_size, s.num_kv_heads * s.head_dim, offsets);
   for (int64_t t = 0; t < n; ++t) rows[t] = key_cache + offsets[t] + task.kv_head * s.head_dim;
   prefetch_rows(rows, n, s.head_dim * task.kv_heads);
 }
 
-template <typename T>
-void attend(const Task& task, const T* q, const T* key_cache, const T* value_cache, const int64_t* block_table,
+// T: the dtype of q and out; C: the cache's (T, or an fp8 format, whose scales the caller folded into s).
+template <typename T, typename C>
+void attend(const Task& task, const T* q, const C* key_cache, const C* value_cache, const int64_t* block_table,
             int64_t query_start, int64_t q_len, int64_t seq_len, const Shape& s, T* out, Work& work) {
   const int64_t group = s.num_heads / s.num_kv_heads, D = s.head_dim;
   bool tiles = false;
@@ -178,9 +182,9 @@ void attend(const Task& task, const T* q, const T* key_cache, const T* value_cac
   float* qf = nullptr;
   const auto [lo, hi] = setup_rows(rows, task, q, query_start, q_len, seq_len, s, work, tiles, qf);
   const int64_t token_stride = s.num_kv_heads * D, head_offset = task.kv_head * D;
-  const T* k_rows[kKvChunk];
-  const T* v_rows[kKvChunk];
-  const T* next_k[kKvChunk];
+  const C* k_rows[kKvChunk];
+  const C* v_rows[kKvChunk];
+  const C* next_k[kKvChunk];
   int64_t offsets[2 * kKvChunk];  // this chunk's rows, then the next chunk's
   for (int64_t c0 = lo; c0 < hi; c0 += kKvChunk) {
     const int64_t n = std::min(kKvChunk, hi - c0), n_next = std::clamp<int64_t>(hi - c0 - kKvChunk, 0, kKvChunk);
@@ -194,7 +198,7 @@ void attend(const Task& task, const T* q, const T* key_cache, const T* value_cac
     // the hardware prefetcher, so V rows are fetched while scores run and the next K rows during the V sums.
     if (task.kv_heads == 1) prefetch_rows(v_rows, n, D);
 #ifdef PAGODA_ATTN_BF16_DOT
-    if constexpr (is_bf16<T>()) {
+    if constexpr (is_bf16<T>()) {  // C: bf16 or fp8, widened to bf16 as the tiles are built
       if (tiles) {
         uint32_t* kt = work.words.data();
         uint32_t* vp = kt + (D / 2) * kKvChunk;
@@ -208,14 +212,14 @@ void attend(const Task& task, const T* q, const T* key_cache, const T* value_cac
     }
 #endif
     if (D == 128) {  // the common head size (Llama, Qwen, Mistral): its vectors fit in registers
-      scores_f32<T, 8>(rows, qf, k_rows, c0, n);
+      scores_f32<C, 8>(rows, qf, k_rows, c0, n);
     } else {
       scores_f32(rows, qf, k_rows, c0, n);
     }
     for (int64_t r = 0; r < rows.count; ++r) softmax_chunk(rows, r);
     if (task.kv_heads == 1) prefetch_rows(next_k, n_next, D);
     if (D == 128) {
-      values_f32<T, 8>(rows, v_rows, n);
+      values_f32<C, 8>(rows, v_rows, n);
     } else {
       values_f32(rows, v_rows, n);
     }
@@ -256,15 +260,38 @@ std::vector<Task> build_tasks(const int64_t* start_p, const int64_t* len_p, cons
   return tasks;
 }
 
+bool is_fp8_type(at::ScalarType type) { return type == at::kFloat8_e4m3fn || type == at::kFloat8_e5m2; }
+
 // cache rows [slot] = rows [token] for this step's K or V: one dispatch for both caches instead of two
 // index_copy_ calls per layer. rows may be a per-head view of the fused qkv output (token stride > width).
-void write_cache(at::Tensor& cache, const at::Tensor& rows, const int64_t* slots, int64_t num_tokens) {
+// An fp8 cache stores rows / scale, saturated and rounded to nearest (quantize16).
+void write_cache(at::Tensor& cache, const at::Tensor& rows, const int64_t* slots, int64_t num_tokens, double scale) {
+  const bool fp8 = is_fp8_type(cache.scalar_type());
   TORCH_CHECK(rows.dim() == 3 && rows.size(0) == num_tokens && rows.size(1) == cache.size(2) &&
-                  rows.size(2) == cache.size(3) && rows.scalar_type() == cache.scalar_type(),
+                  rows.size(2) == cache.size(3) && (fp8 || rows.scalar_type() == cache.scalar_type()),
               "key/value must be [tokens, kv_heads, head_dim] in the cache's dtype");
   const int64_t width = cache.size(2) * cache.size(3);
   const at::Tensor src = rows.stride(2) == 1 && rows.stride(1) == rows.size(2) ? rows : rows.contiguous();
   const int64_t stride = src.stride(0), bytes = width * cache.element_size();
+  if (fp8) {
+#ifdef PAGODA_ATTN_AVX512
+    uint8_t* to = static_cast<uint8_t*>(cache.data_ptr());
+    auto run = [&](auto row_tag, auto cache_tag) {
+      using T = decltype(row_tag);
+      quantize_rows<T, decltype(cache_tag)>(src.data_ptr<T>(), stride, to, width, slots, num_tokens, scale);
+    };
+    auto with_rows = [&](auto cache_tag) {
+      const auto type = src.scalar_type();
+      TORCH_CHECK(type == at::kFloat || type == at::kBFloat16 || type == at::kHalf, "fp8 caches take 16/32-bit rows");
+      if (type == at::kBFloat16) run(at::BFloat16(), cache_tag);
+      else if (type == at::kHalf) run(at::Half(), cache_tag);
+      else run(0.0f, cache_tag);
+    };
+    if (cache.scalar_type() == at::kFloat8_e4m3fn) with_rows(at::Float8_e4m3fn());
+    else with_rows(at::Float8_e5m2());
+#endif
+    return;
+  }
   const char* from = static_cast<const char*>(src.data_ptr());
   char* to = static_cast<char*>(cache.data_ptr());
   at::parallel_for(0, num_tokens, 64, [&](int64_t b, int64_t e) {
@@ -273,25 +300,65 @@ void write_cache(at::Tensor& cache, const at::Tensor& rows, const int64_t* slots
 }
 
 void write_caches(at::Tensor& key_cache, at::Tensor& value_cache, const at::Tensor& key, const at::Tensor& value,
-                  const at::Tensor& slot_mapping) {
+                  const at::Tensor& slot_mapping, double k_scale, double v_scale) {
   const auto slots = slot_mapping.to(at::kLong).contiguous();
   const int64_t num_tokens = slots.numel(), num_slots = key_cache.size(0) * key_cache.size(1);
   const int64_t* sp = slots.data_ptr<int64_t>();
   for (int64_t t = 0; t < num_tokens; ++t)
     TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, "slot_mapping entries must index the cache's ", num_slots, " slots");
-  write_cache(key_cache, key, sp, num_tokens);
-  write_cache(value_cache, value, sp, num_tokens);
+  write_cache(key_cache, key, sp, num_tokens, k_scale);
+  write_cache(value_cache, value, sp, num_tokens, v_scale);
 }
+
+#ifdef PAGODA_ATTN_AVX512
+// Runs every task: T is q's dtype, C the caches'. An fp8 cache's scales (times the widening's factor, see
+// kFp8ReadFactor) fold into the softmax scale (K) and the output normalisation (V).
+template <typename T, typename C>
+void run_tasks(const std::vector<Task>& tasks, const at::Tensor& q, const at::Tensor& key_cache,
+               const at::Tensor& value_cache, const int64_t* tp, const int64_t* start_p, const int64_t* len_p,
+               Shape s, double k_scale, double v_scale, at::Tensor& out) {
+  if constexpr (is_fp8<C>()) {
+    s.scale *= static_cast<float>(k_scale) * kFp8ReadFactor<C>;
+    s.v_factor = static_cast<float>(v_scale) * kFp8ReadFactor<C>;
+  }
+  const T* qp = q.data_ptr<T>();
+  const C* kp = key_cache.data_ptr<C>();
+  const C* vp = value_cache.data_ptr<C>();
+  T* op = out.data_ptr<T>();
+  // Threads claim tasks one at a time instead of splitting the list in two: with a static split one thread
+  // waited for the other at the end of every call (3-5% of prefill attention in gomp's barrier). Each thread
+  // claims its next task before running the current one, so that task's first K rows load meanwhile.
+  const int64_t num_tasks = static_cast<int64_t>(tasks.size());
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_tasks), 1, [&](int64_t, int64_t) {
+    Work work;
+    for (int64_t i = next.fetch_add(1); i < num_tasks;) {
+      const int64_t following = next.fetch_add(1);
+      if (following < num_tasks) {
+        const int64_t rn = tasks[following].req;
+        prefetch_first_keys(tasks[following], kp, tp + rn * s.max_blocks, start_p[rn + 1] - start_p[rn], len_p[rn], s);
+      }
+      const Task& task = tasks[i];
+      const int64_t r = task.req;
+      attend<T, C>(task, qp, kp, vp, tp + r * s.max_blocks, start_p[r], start_p[r + 1] - start_p[r], len_p[r], s, op,
+                   work);
+      i = following;
+    }
+  });
+}
+#endif
 
 at::Tensor paged_attention(const at::Tensor& q, at::Tensor& key_cache, at::Tensor& value_cache,
                            const at::Tensor& block_tables, const at::Tensor& query_start_loc,
                            const at::Tensor& seq_lens, double scale, int64_t sliding_window,
                            const std::optional<at::Tensor>& key, const std::optional<at::Tensor>& value,
-                           const std::optional<at::Tensor>& slot_mapping) {
+                           const std::optional<at::Tensor>& slot_mapping, double k_scale, double v_scale) {
 #ifdef PAGODA_ATTN_AVX512
   TORCH_CHECK(q.dim() == 3 && key_cache.dim() == 4, "q [tokens, heads, dim], caches [blocks, block, kv_heads, dim]");
-  TORCH_CHECK(q.scalar_type() == key_cache.scalar_type() && key_cache.scalar_type() == value_cache.scalar_type(),
-              "q and the caches must share a dtype");
+  const auto cache_type = key_cache.scalar_type();
+  TORCH_CHECK((q.scalar_type() == cache_type || is_fp8_type(cache_type)) && cache_type == value_cache.scalar_type(),
+              "q and the caches must share a dtype (or the caches be fp8)");
+  TORCH_CHECK(k_scale > 0.0 && v_scale > 0.0, "k_scale and v_scale must be positive");
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "caches must be contiguous");
   Shape s{q.size(1), key_cache.size(2), q.size(2), key_cache.size(1), block_tables.size(1),
           static_cast<float>(scale), sliding_window};
@@ -299,7 +366,9 @@ at::Tensor paged_attention(const at::Tensor& q, at::Tensor& key_cache, at::Tenso
   TORCH_CHECK(s.num_heads % s.num_kv_heads == 0 && key_cache.size(3) == s.head_dim, "head shapes disagree");
   TORCH_CHECK(key.has_value() == value.has_value() && key.has_value() == slot_mapping.has_value(),
               "key, value and slot_mapping come together");
-  if (slot_mapping.has_value()) write_caches(key_cache, value_cache, *key, *value, *slot_mapping);
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf,
+              "paged_attention takes float32, bfloat16 or float16");
+  if (slot_mapping.has_value()) write_caches(key_cache, value_cache, *key, *value, *slot_mapping, k_scale, v_scale);
   auto qc = q.contiguous();
   auto tables = block_tables.to(at::kLong).contiguous();
   auto starts = query_start_loc.to(at::kLong).contiguous();
@@ -311,39 +380,18 @@ at::Tensor paged_attention(const at::Tensor& q, at::Tensor& key_cache, at::Tenso
   TORCH_CHECK(start_p[0] == 0 && start_p[num_reqs] == q.size(0), "query_start_loc must span q's tokens");
   const std::vector<Task> tasks = build_tasks(start_p, len_p, tables.data_ptr<int64_t>(), num_reqs, key_cache.size(0), s);
   auto out = at::empty_like(qc);
-  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf,
-              "paged_attention takes float32, bfloat16 or float16");
-  auto run = [&](auto tag) {
-    using scalar_t = decltype(tag);
-    const scalar_t* qp = qc.data_ptr<scalar_t>();
-    const scalar_t* kp = key_cache.data_ptr<scalar_t>();
-    const scalar_t* vp = value_cache.data_ptr<scalar_t>();
-    scalar_t* op = out.data_ptr<scalar_t>();
-    const int64_t* tp = tables.data_ptr<int64_t>();
-    // Threads claim tasks one at a time instead of splitting the list in two: with a static split one thread
-    // waited for the other at the end of every call (3-5% of prefill attention in gomp's barrier). Each thread
-    // claims its next task before running the current one, so that task's first K rows load meanwhile.
-    const int64_t num_tasks = static_cast<int64_t>(tasks.size());
-    std::atomic<int64_t> next{0};
-    at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_tasks), 1, [&](int64_t, int64_t) {
-      Work work;
-      for (int64_t i = next.fetch_add(1); i < num_tasks;) {
-        const int64_t following = next.fetch_add(1);
-        if (following < num_tasks) {
-          const int64_t rn = tasks[following].req;
-          prefetch_first_keys(tasks[following], kp, tp + rn * s.max_blocks, start_p[rn + 1] - start_p[rn], len_p[rn], s);
-        }
-        const Task& task = tasks[i];
-        const int64_t r = task.req;
-        attend<scalar_t>(task, qp, kp, vp, tp + r * s.max_blocks, start_p[r], start_p[r + 1] - start_p[r], len_p[r],
-                         s, op, work);
-        i = following;
-      }
-    });
+  auto run = [&](auto q_tag, auto cache_tag) {
+    run_tasks<decltype(q_tag), decltype(cache_tag)>(tasks, qc, key_cache, value_cache, tables.data_ptr<int64_t>(),
+                                                    start_p, len_p, s, k_scale, v_scale, out);
   };
-  if (q.scalar_type() == at::kBFloat16) run(at::BFloat16());
-  else if (q.scalar_type() == at::kHalf) run(at::Half());
-  else run(0.0f);
+  auto with_cache = [&](auto q_tag) {
+    if (cache_type == at::kFloat8_e4m3fn) run(q_tag, at::Float8_e4m3fn());
+    else if (cache_type == at::kFloat8_e5m2) run(q_tag, at::Float8_e5m2());
+    else run(q_tag, q_tag);
+  };
+  if (q.scalar_type() == at::kBFloat16) with_cache(at::BFloat16());
+  else if (q.scalar_type() == at::kHalf) with_cache(at::Half());
+  else with_cache(0.0f);
   return out;
 #else
   TORCH_CHECK(false, "paged_attention needs AVX-512, which this build lacks");
@@ -362,10 +410,11 @@ bool paged_attention_supported() {
 
 TORCH_LIBRARY_FRAGMENT(pagoda_cpu, m) {
   // With key, value and slot_mapping, this step's K/V rows are first written into the caches (hence a!, b!).
+  // fp8 caches (float8_e4m3fn / float8_e5m2) store K / k_scale and V / v_scale; other caches ignore the scales.
   m.def(
       "paged_attention(Tensor q, Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor block_tables, "
       "Tensor query_start_loc, Tensor seq_lens, float scale, int sliding_window, Tensor? key=None, "
-      "Tensor? value=None, Tensor? slot_mapping=None) -> Tensor");
+      "Tensor? value=None, Tensor? slot_mapping=None, float k_scale=1.0, float v_scale=1.0) -> Tensor");
   m.def("paged_attention_supported() -> bool", &paged_attention_supported);
 }
 

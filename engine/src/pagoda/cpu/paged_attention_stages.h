@@ -12,6 +12,10 @@
 //   instruction with no horizontal sums. The online softmax runs on the scores while they are still in
 //   registers (score_rows). Probabilities enter the V sum rounded to bf16, as in
 //   flash-attention kernels; scores, softmax and sums stay float32.
+//
+// fp8 caches (float8_e4m3fn / float8_e5m2, 1 byte per element) are widened exactly as they are loaded
+// (fp8_to_half_bits): both stage families take their K/V rows through load16 / load32_bf16 overloads, and the
+// per-tensor scales are folded into the softmax scale (K) and the final normalisation (V).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -51,8 +55,9 @@ struct Task {
 
 struct Shape {
   int64_t num_heads, num_kv_heads, head_dim, block_size, max_blocks;
-  float scale;
+  float scale;     // softmax scale, times the K scale of an fp8 cache (see attend)
   int64_t window;  // 0: unlimited
+  float v_factor = 1.0f;  // multiplies each normalised output row: the V scale of an fp8 cache
 };
 
 // Dim index held by lane l of acc's 16-lane group g in the bf16 tile path (see pair_values).
@@ -61,6 +66,77 @@ inline int64_t paired_dim(int64_t g, int64_t l) { return (g / 2) * 32 + (g % 2) 
 #ifdef PAGODA_ATTN_AVX512
 using pagoda_simd::exp_nonpositive;
 using pagoda_simd::load16;
+
+// ---- fp8 K/V ----------------------------------------------------------------------------------------------------
+template <typename C>
+constexpr bool is_fp8() {
+  return std::is_same_v<C, at::Float8_e4m3fn> || std::is_same_v<C, at::Float8_e5m2>;
+}
+
+// What a value loaded through load16 must be multiplied by: e4m3fn rows are widened to value / 256 (see below).
+template <typename C>
+constexpr float kFp8ReadFactor = std::is_same_v<C, at::Float8_e4m3fn> ? 256.0f : 1.0f;
+
+// 16 fp8 codes -> 16 fp16 bit patterns, integer ops only. e5m2 (s eeeee mm, bias 15) is the top byte of the fp16
+// with the same value. e4m3fn (s eeee mmm, bias 7): its exponent and mantissa bits moved into fp16's fields give
+// value * 2^(7 - 15), subnormals included (an e4m3 subnormal m * 2^-9 lands on the fp16 subnormal m * 2^-17), so
+// the caller multiplies by kFp8ReadFactor; the NaN code (magnitude 0x7f) becomes fp16 NaN.
+inline __m256i fp8_to_half_bits(__m128i codes, at::Float8_e5m2) {
+  return _mm256_slli_epi16(_mm256_cvtepu8_epi16(codes), 8);
+}
+inline __m256i fp8_to_half_bits(__m128i codes, at::Float8_e4m3fn) {
+  // sign-extended codes shifted by 7: bit 15 holds the sign, bit 14 a copy of it (cleared), bits 13..7 the rest
+  const __m256i h = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(codes), 7), _mm256_set1_epi16(-0x4080));
+  const __m256i magnitude = _mm256_and_si256(h, _mm256_set1_epi16(0x3f80));
+  const __mmask16 nan = _mm256_cmpeq_epi16_mask(magnitude, _mm256_set1_epi16(0x3f80));
+  return _mm256_mask_mov_epi16(h, nan, _mm256_set1_epi16(0x7e00));
+}
+template <typename C, std::enable_if_t<is_fp8<C>(), int> = 0>
+inline __m512 load16(const C* p) {
+  return _mm512_cvtph_ps(fp8_to_half_bits(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)), C()));
+}
+
+// 16 float32 values -> fp8 codes of the format with kMantissa mantissa bits and exponent bias kBias: |x| saturated to
+// max_finite, rounded to nearest (ties to even); NaN stays NaN. Normal results round the fp32 mantissa in the integer
+// domain and rebias the exponent; below the smallest normal, adding 2^(24 - kBias - kMantissa) makes the FPU round
+// |x| to the subnormal step, and the sum's low bits are the code.
+template <int kMantissa, int kBias>
+inline __m128i fp32_to_fp8(__m512 x, float max_finite, int nan_code) {
+  constexpr int kShift = 23 - kMantissa;
+  const __m512i bits = _mm512_castps_si512(x);
+  const __m512i sign = _mm512_and_si512(_mm512_srli_epi32(bits, 24), _mm512_set1_epi32(0x80));
+  const __m512 a = _mm512_min_ps(_mm512_abs_ps(x), _mm512_set1_ps(max_finite));
+  const __m512i ab = _mm512_castps_si512(a);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(ab, kShift), _mm512_set1_epi32(1));
+  const __m512i bias = _mm512_set1_epi32(((kBias - 127) << 23) + (1 << (kShift - 1)) - 1);
+  const __m512i normal = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(ab, bias), odd), kShift);
+  static_assert(24 - kBias - kMantissa > 0 && 24 - kBias - kMantissa < 31);
+  const float magic = static_cast<float>(1 << (24 - kBias - kMantissa));
+  const __m512i subnormal = _mm512_sub_epi32(_mm512_castps_si512(_mm512_add_ps(a, _mm512_set1_ps(magic))),
+                                             _mm512_castps_si512(_mm512_set1_ps(magic)));
+  const __mmask16 below_normal = _mm512_cmplt_epi32_mask(ab, _mm512_set1_epi32((128 - kBias) << 23));
+  __m512i code = _mm512_or_si512(_mm512_mask_mov_epi32(normal, below_normal, subnormal), sign);
+  code = _mm512_mask_mov_epi32(code, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(nan_code));
+  return _mm512_cvtepi32_epi8(code);
+}
+inline __m128i quantize16(__m512 x, at::Float8_e4m3fn) { return fp32_to_fp8<3, 7>(x, 448.0f, 0x7f); }
+inline __m128i quantize16(__m512 x, at::Float8_e5m2) { return fp32_to_fp8<2, 15>(x, 57344.0f, 0x7e); }
+
+// to[slots[t]] = fp8(from[t] / scale) for every token t: rows of `width` elements (a multiple of 16), `stride`
+// elements apart in from. Dividing (not multiplying by 1 / scale) keeps the codes bit-equal to the torch path's.
+template <typename T, typename C>
+void quantize_rows(const T* from, int64_t stride, uint8_t* to, int64_t width, const int64_t* slots,
+                   int64_t num_tokens, float scale) {
+  const __m512 sv = _mm512_set1_ps(scale);
+  at::parallel_for(0, num_tokens, 16, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      const T* src = from + t * stride;
+      uint8_t* dst = to + slots[t] * width;
+      for (int64_t i = 0; i < width; i += 16)
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), quantize16(_mm512_div_ps(load16(src + i), sv), C()));
+    }
+  });
+}
 
 // Running softmax state of a task's rows; scores hold one chunk, then its probabilities.
 struct Rows {
@@ -174,16 +250,24 @@ inline void transpose16(const __m512i* in, __m512i* out) {
   }
 }
 
+// 32 cache elements from p as bf16 bits: bf16 rows as they are, fp8 rows widened (exact: every fp8 value, and every
+// e4m3fn value / 256, is a bf16 value).
+inline __m512i load32_bf16(const at::BFloat16* p) { return _mm512_loadu_si512(p); }
+template <typename C, std::enable_if_t<is_fp8<C>(), int> = 0>
+inline __m512i load32_bf16(const C* p) {
+  return (__m512i)_mm512_cvtne2ps_pbh(load16(p + 16), load16(p));
+}
+
 // kt[p][t] = pair p of token t's K row ([dim/2][kKvChunk] 32-bit bf16 pairs); tokens >= n are zero. In 16 x 16
 // blocks through registers: the scalar loop (a load and a store per pair) took ~12% of prefill attention.
-inline void transpose_keys(const at::BFloat16* const* k_rows, int64_t n, int64_t dim, uint32_t* kt) {
+template <typename C>
+inline void transpose_keys(const C* const* k_rows, int64_t n, int64_t dim, uint32_t* kt) {
   const int64_t pairs = dim / 2;  // a multiple of 16: the tile path needs dim % 32 == 0
   __m512i in[16], out[16];
   for (int64_t t0 = 0; t0 < kKvChunk; t0 += 16) {
     for (int64_t p0 = 0; p0 < pairs; p0 += 16) {
       for (int64_t i = 0; i < 16; ++i)
-        in[i] = t0 + i < n ? _mm512_loadu_si512(reinterpret_cast<const uint32_t*>(k_rows[t0 + i]) + p0)
-                           : _mm512_setzero_si512();
+        in[i] = t0 + i < n ? load32_bf16(k_rows[t0 + i] + 2 * p0) : _mm512_setzero_si512();
       transpose16(in, out);
       for (int64_t j = 0; j < 16; ++j) _mm512_storeu_si512(kt + (p0 + j) * kKvChunk + t0, out[j]);
     }
@@ -193,13 +277,14 @@ inline void transpose_keys(const at::BFloat16* const* k_rows, int64_t n, int64_t
 // vp[j] = V rows of tokens 2j and 2j+1 interleaved element by element (a missing second row is zero).
 // Within each 32-dim block, 16-bit unpacks leave lane l of the low half at dim 8 * (l / 4) + l % 4 and
 // of the high half at that + 4: acc keeps this order, finish_rows undoes it.
-inline void pair_values(const at::BFloat16* const* v_rows, int64_t n, int64_t dim, uint32_t* vp) {
+template <typename C>
+inline void pair_values(const C* const* v_rows, int64_t n, int64_t dim, uint32_t* vp) {
   for (int64_t j = 0; 2 * j < n; ++j) {
-    const at::BFloat16* a = v_rows[2 * j];
-    const at::BFloat16* b = 2 * j + 1 < n ? v_rows[2 * j + 1] : nullptr;
+    const C* a = v_rows[2 * j];
+    const C* b = 2 * j + 1 < n ? v_rows[2 * j + 1] : nullptr;
     for (int64_t d = 0; d < dim; d += 32) {
-      const __m512i va = _mm512_loadu_si512(a + d);
-      const __m512i vb = b != nullptr ? _mm512_loadu_si512(b + d) : _mm512_setzero_si512();
+      const __m512i va = load32_bf16(a + d);
+      const __m512i vb = b != nullptr ? load32_bf16(b + d) : _mm512_setzero_si512();
       _mm512_storeu_si512(vp + j * dim + d, _mm512_unpacklo_epi16(va, vb));
       _mm512_storeu_si512(vp + j * dim + d + 16, _mm512_unpackhi_epi16(va, vb));
     }

@@ -125,7 +125,7 @@ def _size_and_allocate(
         num_blocks * shape.block_size,
         num_blocks * shape.bytes_per_block / 2**20,
         shape.num_ranks,
-        runner.dtype,
+        shape.dtype,
         num_blocks * shape.block_size / max_model_len,
         max_model_len,
     )

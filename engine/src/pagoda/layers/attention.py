@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from typing import Optional
 
 import torch
@@ -11,7 +13,14 @@ from pagoda.worker.attention import AttentionBackend, AttentionLayerSpec, Attent
 
 
 class Attention(nn.Module):
-    """Writes this step's K/V into the layer's paged cache and attends through the backend."""
+    """Writes this step's K/V into the layer's paged cache and attends through the backend.
+
+    ``k_scale`` / ``v_scale`` are the per-tensor scales of an fp8 KV cache (a cached key is its fp8 code times
+    k_scale); 1.0 unless the checkpoint has them, and unused by a cache in the model's dtype.
+    """
+
+    k_scale: float = 1.0
+    v_scale: float = 1.0
 
     def __init__(
         self,
@@ -32,6 +41,16 @@ class Attention(nn.Module):
             sliding_window=sliding_window,
         )
         self.backend = backend
+
+    def set_kv_scales(self, k_scale: float, v_scale: float) -> None:
+        """Set the fp8 KV cache scales (e.g. from a checkpoint's ``self_attn.k_scale`` / ``v_scale``); call before
+        CUDA graphs are captured, which bake the scales in. Raises ValueError unless both are finite and positive."""
+        k_scale, v_scale = float(k_scale), float(v_scale)
+        for name, value in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if not (math.isfinite(value) and value > 0.0):
+                raise ValueError(f"{name} must be a finite positive number, got {value}")
+        self.k_scale, self.v_scale = k_scale, v_scale
+        self.spec = dataclasses.replace(self.spec, k_scale=k_scale, v_scale=v_scale)
 
     def forward(
         self,

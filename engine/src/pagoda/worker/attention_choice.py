@@ -39,8 +39,10 @@ def choose_prefill_attention(
     dtype: torch.dtype,
     tokens: int = PREFILL_TOKENS,
     timer: Callable[[Callable[[], object]], float] | None = None,
+    cache_dtype: torch.dtype | None = None,
 ) -> str:
-    """Set and return ``backend.prefill_kernel`` ('native' or 'sdpa') for layers like ``spec`` in ``dtype``."""
+    """Set and return ``backend.prefill_kernel`` ('native' or 'sdpa') for layers like ``spec`` in ``dtype``, over a
+    KV cache of ``cache_dtype`` (default ``dtype``; an fp8 cache changes what both kernels read)."""
     probe = torch.empty(1, spec.num_heads, spec.head_dim, dtype=dtype)
     if not native_attention_applies(probe, spec):
         return backend.prefill_kernel  # float32 or no native build: SDPA serves every step already
@@ -50,7 +52,7 @@ def choose_prefill_attention(
         logger.info("prefill attention: %s (forced by PAGODA_CPU_KERNELS=%s)", backend.prefill_kernel, mode)
         return backend.prefill_kernel
     timer = timer or _fastest_call
-    run = _prefill_call(backend, spec, dtype, tokens)
+    run = _prefill_call(backend, spec, dtype, tokens, cache_dtype)
     passes = []
     for _ in range(2):  # leaving the native kernel needs two passes that agree
         native, sdpa = timer(lambda: run("native")), timer(lambda: run("sdpa"))
@@ -65,11 +67,15 @@ def choose_prefill_attention(
 
 
 def _prefill_call(
-    backend: TorchAttentionBackend, spec: AttentionLayerSpec, dtype: torch.dtype, tokens: int
+    backend: TorchAttentionBackend,
+    spec: AttentionLayerSpec,
+    dtype: torch.dtype,
+    tokens: int,
+    cache_dtype: torch.dtype | None = None,
 ) -> Callable[[str], torch.Tensor]:
     """One layer's attention over a ``tokens``-long first prompt chunk, through the kernel named."""
     num_blocks = -(-tokens // _BLOCK_SIZE)
-    cache = torch.zeros(2, num_blocks, _BLOCK_SIZE, spec.num_kv_heads, spec.head_dim, dtype=dtype)
+    cache = torch.zeros(2, num_blocks, _BLOCK_SIZE, spec.num_kv_heads, spec.head_dim, dtype=cache_dtype or dtype)
     q = torch.randn(tokens, spec.num_heads, spec.head_dim).to(dtype)
     k = torch.randn(tokens, spec.num_kv_heads, spec.head_dim).to(dtype)
     v = torch.randn(tokens, spec.num_kv_heads, spec.head_dim).to(dtype)

@@ -147,9 +147,11 @@ class TritonAttentionBackend:
         meta: AttentionMetadata,
         spec: AttentionLayerSpec,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        """Write this step's K/V (slots < 0 are skipped), then attend over each request's context."""
+        """Write this step's K/V (slots < 0 are skipped), then attend over each request's context. An fp8 cache
+        (its dtype says so) gets and gives codes through the layer's k_scale / v_scale: plain floats, so a captured
+        CUDA graph holds them as launch arguments."""
         state = meta.backend_state
-        self._write_kv(k, v, kv_cache, meta.slot_mapping)
+        self._write_kv(k, v, kv_cache, meta.slot_mapping, spec.k_scale, spec.v_scale)
         out = torch.empty_like(q)
         if state["decode"]:
             return self._decode(
@@ -162,6 +164,8 @@ class TritonAttentionBackend:
                 max_seq_len=state["max_seq_len"],
                 num_splits=state["num_splits"],
                 out=out,
+                k_scale=spec.k_scale,
+                v_scale=spec.v_scale,
             )
         return self._extend(
             q,
@@ -173,4 +177,6 @@ class TritonAttentionBackend:
             spec.scale,
             sliding_window=spec.sliding_window,
             out=out,
+            k_scale=spec.k_scale,
+            v_scale=spec.v_scale,
         )

@@ -11,14 +11,26 @@ import torch
 
 from pagoda.config import DEFAULT_CPU_KV_CACHE_MEMORY
 from pagoda.startup_failure import InsufficientMemoryError
+from pagoda.worker.attention import FP8_KV_DTYPES
 
 logger = logging.getLogger(__name__)
 
 
+def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The cache tensors' dtype for ``--kv-cache-dtype``: the model's for 'auto', else the fp8 format named
+    (fp8_e4m3 -> float8_e4m3fn, fp8_e5m2 -> float8_e5m2)."""
+    if kv_cache_dtype == "auto":
+        return model_dtype
+    if kv_cache_dtype not in FP8_KV_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be auto or one of {', '.join(FP8_KV_DTYPES)}, got {kv_cache_dtype!r}")
+    return FP8_KV_DTYPES[kv_cache_dtype]
+
+
 @dataclass(frozen=True, slots=True)
 class KVCacheShape:
-    """What one KV block costs a rank: per layer, ``2 x block_size x num_kv_heads x head_dim`` elements, where
-    ``num_kv_heads`` are this rank's (under tensor parallelism each of ``num_ranks`` ranks holds its heads)."""
+    """What one KV block costs a rank: per layer, ``2 x block_size x num_kv_heads x head_dim`` elements of
+    ``dtype`` (the cache's: the model's, or a 1-byte fp8 format), where ``num_kv_heads`` are this rank's (under
+    tensor parallelism each of ``num_ranks`` ranks holds its heads)."""
 
     num_layers: int
     num_kv_heads: int
@@ -30,7 +42,7 @@ class KVCacheShape:
     @property
     def bytes_per_block(self) -> int:
         """On one rank."""
-        elem = torch.tensor([], dtype=self.dtype).element_size()
+        elem = self.dtype.itemsize
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
 
     @property
@@ -81,6 +93,6 @@ def check_fits(num_blocks: int, shape: KVCacheShape, max_model_len: int, how_to_
     if num_tokens < max_model_len:
         raise InsufficientMemoryError(
             f"the KV cache holds {num_blocks} blocks = {num_tokens} tokens "
-            f"({shape.bytes_per_block} bytes per block of {shape.block_size} tokens), fewer than one "
+            f"({shape.bytes_per_block} bytes per block of {shape.block_size} tokens in {shape.dtype}), fewer than one "
             f"sequence of max_model_len={max_model_len} tokens; {how_to_grow} or lower --max-model-len"
         )

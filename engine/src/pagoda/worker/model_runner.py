@@ -22,12 +22,13 @@ from pagoda.worker.attention import (
     AttentionMetadata,
     TorchAttentionBackend,
     build_metadata,
+    is_fp8,
     token_positions,
 )
 from pagoda.worker.attention_choice import choose_prefill_attention
 from pagoda.worker.attention_triton import TritonAttentionBackend
 from pagoda.worker.cuda_graphs import DecodeCudaGraphs
-from pagoda.worker.kv_sizing import KVCacheShape, gpu_num_blocks
+from pagoda.worker.kv_sizing import KVCacheShape, gpu_num_blocks, kv_cache_torch_dtype
 from pagoda.worker.logits_processing import PenaltyCounts
 from pagoda.worker.sampler import Sampler, SamplingRow, compute_prompt_logprobs
 
@@ -106,10 +107,12 @@ class ModelRunner:
         self.kv_shape: KVCacheShape | None = None
 
     def kv_cache_shape(self, block_size: int) -> KVCacheShape:
-        """This rank's cache per block (its KV heads only) and the number of ranks that hold one."""
+        """This rank's cache per block (its KV heads only, in the cache's dtype: the model's, or fp8 for
+        ``kv_cache_dtype`` fp8_e4m3 / fp8_e5m2) and the number of ranks that hold one."""
         spec = self.model.kv_cache_spec
+        cache_dtype = kv_cache_torch_dtype(self.kv_cache_dtype, self.dtype)
         return KVCacheShape(
-            spec.num_layers, spec.num_kv_heads, spec.head_dim, block_size, self.dtype, self.tp.world_size
+            spec.num_layers, spec.num_kv_heads, spec.head_dim, block_size, cache_dtype, self.tp.world_size
         )
 
     def on_all_ranks(self, method: str, *args: Any) -> Any:
@@ -139,10 +142,11 @@ class ModelRunner:
         """Create every layer's cache once; zeroed so padded reads never see NaN garbage. On CPU, also time the two
         prefill-attention kernels for this model's head layout (see :mod:`pagoda.worker.attention_choice`)."""
         if self.device.type == "cpu" and isinstance(self.attn_backend, TorchAttentionBackend):
-            choose_prefill_attention(self.attn_backend, self.model.model.layers[0].self_attn.attn.spec, self.dtype)
+            spec = self.model.model.layers[0].self_attn.attn.spec
+            choose_prefill_attention(self.attn_backend, spec, self.dtype, cache_dtype=shape.dtype)
         self.kv_shape = shape
         self.kv_caches = [
-            torch.zeros(shape.layer_shape(num_blocks), dtype=self.dtype, device=self.device)
+            torch.zeros(shape.layer_shape(num_blocks), dtype=shape.dtype, device=self.device)
             for _ in range(shape.num_layers)
         ]
 
@@ -303,6 +307,7 @@ class ModelRunner:
         src = torch.tensor([c[0] for c in copies], device=self.device)
         dst = torch.tensor([c[1] for c in copies], device=self.device)
         for cache in self.kv_caches:  # [2, num_blocks, block_size, kv_heads, head_dim]
+            cache = cache.view(torch.uint8) if is_fp8(cache.dtype) else cache  # fp8 codes: copy the bytes
             cache[:, dst] = cache[:, src]
 
     @torch.inference_mode()
@@ -315,7 +320,7 @@ class ModelRunner:
         shape = self.kv_cache_shape(16)
         num_blocks = -(-num_tokens // shape.block_size)
         scratch = [
-            torch.zeros(shape.layer_shape(num_blocks), dtype=self.dtype, device=self.device)
+            torch.zeros(shape.layer_shape(num_blocks), dtype=shape.dtype, device=self.device)
             for _ in range(shape.num_layers)
         ]
         meta = build_metadata([num_tokens], [num_tokens], [list(range(num_blocks))], shape.block_size)
