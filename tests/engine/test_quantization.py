@@ -270,8 +270,8 @@ def test_prepare_packs_bf16_keeps_fp32_on_torch_and_quantizes_everything_for_int
 
 
 def test_quantization_is_validated_with_a_clear_error() -> None:
-    with pytest.raises(ValueError, match="not supported.*int8"):
-        EngineArgs(quantization="awq").validate()
+    with pytest.raises(ValueError, match="not supported.*awq, gptq, fp8, int8"):
+        EngineArgs(quantization="bitsandbytes").validate()
     with pytest.raises(ValueError, match="runs on cpu only, not cuda"):
         validate_quantization("int8", torch.device("cuda"))
     validate_quantization(None, torch.device("cuda"))

@@ -15,6 +15,13 @@ from tqdm.auto import tqdm
 from pagoda.distributed.parallel import SINGLE, TensorParallel
 from pagoda.model_config import ModelConfig
 from pagoda.models.registry import get_model_class
+from pagoda.quantization.loading import (
+    KV_SCALE_SUFFIXES,
+    apply_kv_scales,
+    attach_quantized_sources,
+    checkpoint_tensor_names,
+    quant_config_for,
+)
 from pagoda.worker.attention import AttentionBackend
 
 _INDEX_FILE = "model.safetensors.index.json"
@@ -75,13 +82,36 @@ def load_model(
     """Instantiate the checkpoint's architecture on ``device`` in ``dtype`` and load its weights (under tensor
     parallelism, this rank's shard of them).
 
+    ``quantization`` is ``--quantization`` (None: the checkpoint's own); layers of a quantized checkpoint keep their
+    quantized tensors for :func:`~pagoda.layers.linear_kernels.prepare_linear_layers` (see
+    :mod:`pagoda.quantization.loading`), and ``model.quant_config`` says what was resolved.
+
     ``config`` may be passed when the caller already parsed it; otherwise it is read from the directory.
     """
     config = config if config is not None else ModelConfig.from_model_dir(model_dir)
+    quant = quant_config_for(model_dir, quantization)
+    if quant is not None and quant.serialized and tp.world_size > 1:
+        raise ValueError(
+            f"{quant.method} checkpoints are not sharded across tensor-parallel ranks yet: use --tensor-parallel-size 1"
+        )
     model_cls = get_model_class(config.architecture)
     with torch.device(device):
         model = model_cls(config, attn_backend, dtype, tp=tp)
+    model.quant_config = quant  # how prepare_linear_layers turns the weights into kernels
+    router = None
+    if quant is not None and quant.serialized:
+        router = attach_quantized_sources(model, quant, checkpoint_tensor_names(safetensors_files(model_dir)))
     read = model.read_shard if tp.world_size > 1 else None
-    # Cast on the device the tensor was loaded to, so a GPU load never holds an fp32 copy on the host.
-    model.load_weights((name, tensor.to(dtype)) for name, tensor in iterate_safetensors(model_dir, device, read))
+    kv_scales: dict[str, torch.Tensor] = {}
+
+    def weights() -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in iterate_safetensors(model_dir, device, read):
+            if name.endswith(KV_SCALE_SUFFIXES):
+                kv_scales[name] = tensor
+            elif router is None or not router.take(name, tensor):  # quantized tensors are kept as stored
+                # Cast on the device the tensor was loaded to, so a GPU load never holds an fp32 copy on the host.
+                yield name, tensor.to(dtype)
+
+    model.load_weights(weights())
+    apply_kv_scales(model, kv_scales)
     return model.eval()

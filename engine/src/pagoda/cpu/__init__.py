@@ -25,7 +25,15 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = ("packed_linear.cpp", "packed_linear_int8.cpp", "fused_ops.cpp", "paged_attention.cpp", "lora.cpp")
+_SOURCES = (
+    "packed_linear.cpp",
+    "packed_linear_int8.cpp",
+    "packed_linear_int4.cpp",
+    "packed_linear_fp8.cpp",
+    "fused_ops.cpp",
+    "paged_attention.cpp",
+    "lora.cpp",
+)
 
 
 def _build_dir() -> Path:

@@ -24,6 +24,7 @@ from pagoda.engine.runner_setup import start_model_runner
 from pagoda.layers.linear_kernels import validate_quantization
 from pagoda.model_config import ModelConfig, resolve_dtype
 from pagoda.outputs import RequestOutput
+from pagoda.quantization.loading import quant_config_for
 from pagoda.request import Request, RequestStatus, sequence_id
 from pagoda.sampling_params import SamplingParams
 from pagoda.structured_output.compiler import StructuredOutputCompiler
@@ -68,10 +69,21 @@ class LLMEngine(LoRAEngineMixin):
         self.model_config = ModelConfig.from_model_dir(model_path)
         self.tokenizer = get_tokenizer(args.tokenizer or model_path)
         self.device = _resolve_device(args.device)
-        validate_quantization(args.quantization, self.device)  # before minutes of weight loading
+        # A flag the checkpoint contradicts, or a method this device lacks, fails before minutes of weight loading.
+        quant = quant_config_for(model_path, args.quantization)
+        validate_quantization(quant.method if quant is not None else None, self.device)
+        if quant is not None and quant.serialized and args.tensor_parallel_size > 1:
+            raise ValueError(
+                f"{quant.method} checkpoints are not sharded across tensor-parallel ranks yet: use "
+                "--tensor-parallel-size 1"
+            )
         if self.device.type == "cpu":
             keep_freed_memory()
         self.dtype = resolve_dtype(args.dtype, self.model_config, self.device)
+        if quant is not None and self.device.type == "cpu" and args.dtype == "auto" and self.dtype == torch.float16:
+            # AWQ/GPTQ checkpoints are mostly float16; the CPU's quantized kernels take bfloat16 activations.
+            logger.info("quantized float16 checkpoint on CPU: running in bfloat16 (pass --dtype to override)")
+            self.dtype = torch.bfloat16
         self.max_model_len = _resolve_max_model_len(args.max_model_len, self.model_config)
         scheduler_config = SchedulerConfig.from_args(args, self.max_model_len)
         torch.manual_seed(args.seed)

@@ -56,7 +56,8 @@ class Linear(nn.Module):
         """Multiply with ``kernel`` from now on and drop this layer's reference to the plain weight
         (a tied embedding keeps its own reference)."""
         self.kernel = kernel
-        self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
+        if self.weight is not None:  # None: a quantized layer, which never had a dense weight
+            self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [num_tokens, in] -> [num_tokens, out]
         out = self.kernel(x) if self.kernel is not None else F.linear(x, self.weight, self.bias)

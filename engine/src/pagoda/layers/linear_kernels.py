@@ -326,22 +326,30 @@ def prepare_linear_layers(
     """
     from pagoda.layers.kernel_timing import ModelKernelSelector
     from pagoda.layers.linear import Linear, MergedLinear
+    from pagoda.quantization.kernels import online_quant_config, quantized_layer_kernel
 
     validate_quantization(quantization, device)
+    # load_model sets quant_config: the method resolved for the checkpoint (a model built otherwise: the argument)
+    quant = getattr(model, "quant_config", None) or online_quant_config(quantization)
+    method = quant.method if quant is not None else None
+    dense_quantization = "int8" if method == "int8" else None  # the other methods leave some layers dense (lm_head)
     cpu = device.type == "cpu"
     pack = cpu and onednn_packing_available(dtype)
     native_bf16 = cpu and dtype == torch.bfloat16 and native_linear_support(NATIVE_BF16)
-    selector = ModelKernelSelector(dtype, quantization) if cpu and dtype == torch.bfloat16 else None
+    selector = ModelKernelSelector(dtype, dense_quantization) if cpu and dtype == torch.bfloat16 else None
     counts: dict[str, int] = {}
     for module_name, layer in model.named_modules():
         if not isinstance(layer, Linear):
             continue
         gated = isinstance(layer, MergedLinear) and layer.gated
-        if selector is not None:
+        quantized = quantized_layer_kernel(layer, module_name, quant, device, gated and dtype == torch.bfloat16)
+        if quantized is not None:
+            kernel = quantized
+        elif selector is not None:
             role = "gated" if gated else "logits" if module_name.rsplit(".", 1)[-1] == "lm_head" else "linear"
-            kernel = selector.kernel(layer, role, candidate_kernels(layer.out_features, gated, quantization))
+            kernel = selector.kernel(layer, role, candidate_kernels(layer.out_features, gated, dense_quantization))
         else:
-            kernel = _kernel_for(layer, pack, native_bf16, quantization, gated)
+            kernel = _kernel_for(layer, pack, native_bf16, dense_quantization, gated)
         if kernel is not None:
             layer.set_kernel(kernel)
         name = kernel.name if kernel is not None else "torch-linear"

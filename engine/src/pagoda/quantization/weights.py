@@ -127,6 +127,10 @@ class Fp8Weight:
         """The weight [out, in] in float32 (exact: every e4m3 value times a float32 scale)."""
         return self.qweight.float() * self.scales.unsqueeze(1)
 
+    def dequantize_checkpoint_order(self) -> torch.Tensor:
+        """:meth:`dequantize` (FP8 weights keep the checkpoint's input order)."""
+        return self.dequantize()
+
     def select_rows(self, order: torch.Tensor) -> Fp8Weight:
         return Fp8Weight(self.qweight[order].contiguous(), self.scales[order].contiguous(), self.input_scale)
 
