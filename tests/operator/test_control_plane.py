@@ -30,7 +30,7 @@ NAMESPACE = "pagoda-test"
 HF_TOKEN = "hf_test_token"
 API_KEY = "k-123"
 # Examples the engine cannot serve yet; the operator must refuse them naming this field (see the capability contract).
-REFUSED = {"four-gpus-quantized-lora.yaml": "spec.quantization"}
+REFUSED = {"four-gpus-quantized-lora.yaml": "spec.loraAdapters"}
 VALID = sorted(p.name for p in EXAMPLES.glob("*.yaml"))
 INVALID = sorted(p.name for p in (EXAMPLES / "invalid").glob("*.yaml"))
 
@@ -285,3 +285,42 @@ def test_tensor_parallel_specs_the_engine_cannot_serve_are_refused_naming_the_fi
     )
     assert field in degraded and words in degraded, degraded
     assert cluster.get("deployment", md, NAMESPACE) is None
+
+
+# Quantization and the KV-cache dtype at admission (a server-side dry run: the schema and CEL rules run, nothing is
+# stored, so the operator never sees these). None applied is an error; (field, words) of a refusal otherwise.
+ADMISSION = [
+    ("awq-on-cpu", {"gpus": 0, "quantization": "awq"}, None),
+    ("gptq-on-one-gpu", {"gpus": 1, "quantization": "gptq"}, None),
+    ("fp8-on-four-gpus", {"gpus": 4, "quantization": "fp8"}, None),
+    ("fp8-e5m2-kv-cache", {"kvCacheDtype": "fp8_e5m2"}, None),
+    ("fp8-e4m3-kv-cache-awq", {"quantization": "awq", "kvCacheDtype": "fp8_e4m3"}, None),
+    (
+        "gptq-on-two-gpus",
+        {"gpus": 2, "quantization": "gptq"},
+        "awq and gptq checkpoints are not served with tensor parallelism yet (gpus 0 or 1)",
+    ),
+    ("int8-on-one-gpu", {"gpus": 1, "quantization": "int8"}, "quantization int8 runs on CPU replicas only (gpus 0)"),
+    ("unknown-kv-cache-dtype", {"kvCacheDtype": "fp8"}, 'spec.kvCacheDtype: Unsupported value: "fp8"'),
+    ("bitsandbytes", {"quantization": "bitsandbytes"}, 'spec.quantization: Unsupported value: "bitsandbytes"'),
+]
+
+
+@pytest.mark.parametrize(("name", "spec", "refusal"), ADMISSION, ids=[case[0] for case in ADMISSION])
+def test_quantization_and_kv_cache_dtype_at_admission(cluster: Cluster, name: str, spec: dict, refusal) -> None:
+    body = {
+        "apiVersion": "pagoda.dev/v1alpha1",
+        "kind": "ModelDeployment",
+        "metadata": {"name": name, "namespace": NAMESPACE},
+        "spec": {"model": {"source": "pvc://models/quantized"}, **spec},
+    }
+    result = cluster.kubectl("apply", "--dry-run=server", "-o", "json", "-f", "-", stdin=json.dumps(body), check=False)
+    if refusal is None:
+        assert result.returncode == 0, result.stderr
+        stored = json.loads(result.stdout)["spec"]
+        assert {key: stored.get(key) for key in spec} == spec
+        if "kvCacheDtype" not in spec:
+            assert "kvCacheDtype" not in stored  # no default written into the resource: unset is the engine's auto
+    else:
+        assert result.returncode != 0 and "is invalid" in result.stderr and refusal in result.stderr, result.stderr
+    assert cluster.get("modeldeployment", name, NAMESPACE) is None

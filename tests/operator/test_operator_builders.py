@@ -36,13 +36,19 @@ ARG_CASES = [
     (
         {
             "gpus": 4,
-            "quantization": "awq",
+            "quantization": "fp8",
+            "kvCacheDtype": "fp8_e4m3",
             "dtype": "float16",
             "gpuMemoryUtilization": 0.85,
             "enablePrefixCaching": False,
         },
         ["--host", "0.0.0.0", "--port", "8000", "--served-model-name", "llm", "--gpu-memory-utilization", "0.85"]
-        + ["--dtype", "float16", "--no-enable-prefix-caching", "--tensor-parallel-size", "4", "--quantization", "awq"]
+        + ["--dtype", "float16", "--no-enable-prefix-caching", "--tensor-parallel-size", "4", "--quantization", "fp8"]
+        + ["--kv-cache-dtype", "fp8_e4m3", "--shutdown-timeout", "30"],
+    ),
+    (
+        {"quantization": "awq", "kvCacheDtype": "auto"},  # auto is the engine's default: no flag
+        ["--host", "0.0.0.0", "--port", "8000", "--served-model-name", "llm", "--quantization", "awq"]
         + ["--shutdown-timeout", "30"],
     ),
     (

@@ -8,6 +8,7 @@ import pytest
 from operator_helpers import (
     CRD_PATH,
     EXAMPLES,
+    REPO,
     crd_openapi_schema,
     crd_validator,
     example_body,
@@ -17,13 +18,15 @@ from operator_helpers import (
 )
 
 from pagoda_operator.builders import Owner, build_deployment, build_hpa, build_pdb, build_service
+from pagoda_operator.capabilities import check_capabilities, engine_capabilities
 from pagoda_operator.constants import GROUP, KIND, PLURAL, VERSION
 from pagoda_operator.spec import InvalidSpec, parse_spec
 
 VALID_EXAMPLES = sorted(p.name for p in EXAMPLES.glob("*.yaml"))
 INVALID_EXAMPLES = sorted(p.name for p in (EXAMPLES / "invalid").glob("*.yaml"))
 # cel-*: rejected by the CRD's CEL rules (x-kubernetes-validations), which only an API server evaluates
-# (test_control_plane.py); offline, the operator's own mirror of each rule refuses them.
+# (test_control_plane.py); offline, the operator's own mirror of each rule (parse_spec, or for a rule the engine's
+# contract decides, check_capabilities) refuses them.
 SCHEMA_INVALID = [name for name in INVALID_EXAMPLES if not name.startswith("cel-")]
 CEL_INVALID = [name for name in INVALID_EXAMPLES if name.startswith("cel-")]
 
@@ -43,6 +46,7 @@ def rendered_children(body: dict[str, Any]) -> list[dict[str, Any]]:
 EXTRA_SPECS = [
     {"autoscaling": {"enabled": True, "minReplicas": 1, "maxReplicas": 8, "targetWaitingRequests": 0.5}},
     {"gpus": 8, "quantization": "fp8", "modelCache": {"size": "100Gi"}, "service": {"type": "NodePort"}},
+    {"quantization": "awq", "kvCacheDtype": "fp8_e5m2", "model": {"source": "pvc://models/qwen3-awq"}},
     {"apiKeySecretRef": {"name": "k"}, "engine": {"env": [{"name": "A", "value": "b"}], "imagePullPolicy": "Always"}},
     {"replicas": 3, "rollout": {"maxSurge": "25%", "maxUnavailable": "10%"}, "drainSeconds": 600},
 ]
@@ -75,7 +79,7 @@ def test_what_cel_rejects_the_operator_refuses_too(name: str) -> None:
     body = load_yaml(EXAMPLES / "invalid" / name)
     assert not list(crd_validator().iter_errors(body))  # the structural schema alone accepts it
     with pytest.raises(InvalidSpec):
-        parse_spec({**body, "metadata": {**body["metadata"], "namespace": "ns", "uid": "u"}})
+        check_capabilities(parse_spec({**body, "metadata": {**body["metadata"], "namespace": "ns", "uid": "u"}}))
 
 
 def test_unknown_spec_fields_are_rejected() -> None:
@@ -129,3 +133,56 @@ def test_crd_is_a_valid_structural_crd_with_status_and_scale() -> None:
 def test_chart_carries_the_same_crd() -> None:
     chart_crd = CRD_PATH.parents[1] / "charts" / "pagoda" / "crds" / "modeldeployment.yaml"
     assert chart_crd.read_text() == CRD_PATH.read_text()
+
+
+# ---- quantization and the KV-cache dtype in the schema -------------------------------------------------------------
+
+
+def md(**spec: Any) -> dict[str, Any]:
+    return {"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND, "metadata": {"name": "m"}, "spec": spec}
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"gpus": 0, "quantization": "awq"},
+        {"gpus": 0, "quantization": "gptq"},
+        {"gpus": 0, "quantization": "fp8"},
+        {"gpus": 1, "quantization": "gptq", "kvCacheDtype": "fp8_e4m3"},
+        {"kvCacheDtype": "auto"},
+        {"kvCacheDtype": "fp8_e5m2"},
+    ],
+)
+def test_the_schema_takes_every_method_on_the_cpu_and_both_fp8_kv_cache_dtypes(spec: dict[str, Any]) -> None:
+    assert not list(crd_validator().iter_errors(md(**spec)))
+
+
+@pytest.mark.parametrize(
+    "spec", [{"quantization": "bitsandbytes"}, {"kvCacheDtype": "fp8"}, {"kvCacheDtype": "int8"}, {"kvCacheDtype": 8}]
+)
+def test_the_schema_refuses_other_methods_and_kv_cache_dtypes(spec: dict[str, Any]) -> None:
+    assert list(crd_validator().iter_errors(md(**spec)))
+
+
+def test_the_quantization_enum_and_cel_rules_follow_the_engines_contract() -> None:
+    # CEL cannot read the contract: the CRD repeats it, and this holds the two together
+    schema = crd_openapi_schema()["properties"]["spec"]
+    devices = engine_capabilities()["devices"]
+    assert schema["properties"]["quantization"]["enum"] == ["awq", "gptq", "fp8", "int8"]
+    assert set(schema["properties"]["quantization"]["enum"]) == set(devices["cpu"]["quantization"]) | set(
+        devices["cuda"]["quantization"]
+    )
+    assert schema["properties"]["kvCacheDtype"]["enum"] == devices["cpu"]["kv_cache_dtypes"]
+    assert "default" not in schema["properties"]["kvCacheDtype"]  # unset is auto, and stays out of stored resources
+    rules = " ".join(rule["rule"] for rule in schema["x-kubernetes-validations"])
+    cpu_only = set(devices["cpu"]["quantization"]) - set(devices["cuda"]["quantization"])
+    assert cpu_only == {"int8"} and "self.quantization != 'int8' || self.gpus == 0" in rules
+    without_tp = devices["cuda"]["quantization_without_tensor_parallel"]
+    assert f"!(self.quantization in {without_tp!r}) || self.gpus <= 1" in rules  # ['awq', 'gptq']
+    assert "self.gpus > 0" not in rules  # no method needs a GPU any more
+
+
+def test_no_bitsandbytes_anywhere_in_the_operator_chart_or_crd() -> None:
+    roots = [REPO / "crds", REPO / "charts", REPO / "operator" / "src"]
+    files = [path for root in roots for path in root.rglob("*") if path.is_file() and "egg-info" not in str(path)]
+    assert files and not [path for path in files if "bitsandbytes" in path.read_text(errors="ignore")]

@@ -67,8 +67,8 @@ def refused(**spec: Any) -> InvalidSpec:
         ({"gpus": 9}, "spec.gpus", "tensor parallelism 9; this engine serves at most 8"),
         ({"gpus": 8}, "spec.gpus", "intermediate_size 172 is not divisible by 8"),  # the built-in model
         ({"gpus": 2, "loraAdapters": []}, "spec.loraAdapters", "not serve LoRA adapters with tensor parallelism"),
-        ({"gpus": 1, "quantization": "awq"}, "spec.quantization", "awq is not served on cuda"),
-        ({"gpus": 1, "quantization": "fp8"}, "spec.quantization", "fp8 is not served on cuda"),
+        ({"gpus": 1, "quantization": "int8"}, "spec.quantization", "int8 runs on CPU replicas only"),
+        ({"gpus": 2, "quantization": "gptq"}, "spec.quantization", "gptq checkpoints with tensor parallelism"),
         ({"engine": {"extraArgs": ["--no-such-flag"]}}, "spec.engine.extraArgs[0]", "not a flag of pagoda serve"),
         ({"engine": {"extraArgs": ["--seed", "1", "--port=9"]}}, "spec.engine.extraArgs[2]", "pod's port"),
         ({"engine": {"extraArgs": ["--max-model-len", "99"]}}, "spec.engine.extraArgs[0]", "spec.maxModelLen"),
@@ -87,6 +87,9 @@ def test_specs_inside_the_contract_pass() -> None:
         {"gpus": 4},
         {"gpus": 8, "model": {"source": "Qwen/Qwen3-0.6B"}},
         {"quantization": "int8"},
+        {"quantization": "awq", "kvCacheDtype": "fp8_e5m2"},
+        {"gpus": 1, "quantization": "gptq", "kvCacheDtype": "fp8_e4m3"},
+        {"gpus": 8, "quantization": "fp8", "model": {"source": "Qwen/Qwen3-0.6B"}},
         {"model": {"source": "s3://models/qwen3"}},
         {"model": {"source": "hf://Qwen/Qwen3-0.6B", "revision": "main"}},
         {"engine": {"extraArgs": ["--max-num-batched-tokens", "8192", "--seed=3", "--seed", "-1"]}},
@@ -122,17 +125,11 @@ def test_the_operators_lora_rules_are_the_engines() -> None:
 def test_the_flagship_example_is_refused_until_the_engine_serves_it() -> None:
     spec = parse_spec(example_body("four-gpus-quantized-lora.yaml"))
     contract = engine_capabilities()
-    with pytest.raises(InvalidSpec) as info:  # tensor parallelism 4 is served; AWQ is not
+    # tensor parallelism 4, FP8 weights and an FP8 KV cache are served; LoRA adapters with tensor parallelism are not
+    with pytest.raises(InvalidSpec) as info:
         check_capabilities(spec, contract)
-    assert info.value.field == "spec.quantization"
-    with_awq = {
-        **contract,
-        "devices": {**contract["devices"], "cuda": {**contract["devices"]["cuda"], "quantization": ["awq"]}},
-    }
-    with pytest.raises(InvalidSpec) as info:  # nor are LoRA adapters with tensor parallelism
-        check_capabilities(spec, with_awq)
     assert info.value.field == "spec.loraAdapters"
-    check_capabilities(spec, {**with_awq, "lora": {**contract["lora"], "tensor_parallel": True}})
+    check_capabilities(spec, {**contract, "lora": {**contract["lora"], "tensor_parallel": True}})
 
 
 # ---- model sources in the Deployment -----------------------------------------------------------------------------

@@ -18,6 +18,7 @@ def test_empty_spec_serves_the_builtin_model_on_the_cpu_under_the_resource_name(
     assert spec.model.kind == "builtin"
     assert spec.served_model_name == "m"
     assert spec.gpus == 0 and spec.replicas == 1 and not spec.autoscaling.enabled
+    assert spec.quantization is None and spec.kv_cache_dtype is None  # the engine's defaults: no flags
     assert spec.image == "ghcr.io/pagoda-dev/pagoda-engine:0.1.0"
 
 
@@ -49,8 +50,8 @@ def test_malformed_sources_name_the_field(text: str) -> None:
     ("spec", "field"),
     [
         ({"autoscaling": {"enabled": True, "minReplicas": 3, "maxReplicas": 2}}, "spec.autoscaling.minReplicas"),
-        ({"gpus": 0, "quantization": "awq"}, "spec.quantization"),
         ({"gpus": 1, "quantization": "int8"}, "spec.quantization"),
+        ({"gpus": 4, "quantization": "int8"}, "spec.quantization"),
         (
             {"gpus": 1, "loraAdapters": [{"name": "a", "source": "x/a"}, {"name": "a", "source": "x/b"}]},
             "spec.loraAdapters[1].name",

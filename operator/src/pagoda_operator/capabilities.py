@@ -32,6 +32,7 @@ SPEC_FLAGS = {
     "--no-enable-prefix-caching": "spec.enablePrefixCaching",
     "--tensor-parallel-size": "spec.gpus",
     "--quantization": "spec.quantization",
+    "--kv-cache-dtype": "spec.kvCacheDtype",
     "--enable-lora": "spec.loraAdapters",
     "--lora-modules": "spec.loraAdapters",
     "--lora-modules-file": "spec.loraAdapters",
@@ -66,11 +67,7 @@ def check_capabilities(spec: ModelDeploymentSpec, contract: dict[str, Any] | Non
             f"{served['tensor_parallel_max']}",
         )
     _check_builtin_geometry(spec, contract)
-    if spec.quantization is not None and spec.quantization not in served["quantization"]:
-        offered = ", ".join(served["quantization"]) or "none"
-        raise InvalidSpec(
-            "spec.quantization", f"{spec.quantization} is not served on {device} replicas by this engine ({offered})"
-        )
+    _check_quantization(spec, device, served)
     _check_lora(spec, contract)
     if _SOURCE_KINDS[spec.model.kind] not in contract["model_sources"]:
         raise InvalidSpec("spec.model.source", f"this engine cannot load {spec.model.kind} sources")
@@ -79,6 +76,30 @@ def check_capabilities(spec: ModelDeploymentSpec, contract: dict[str, Any] | Non
     if spec.chat_template is not None and not contract["chat_template"]:
         raise InvalidSpec("spec.engine.chatTemplate", "this engine does not take a chat template")
     _check_extra_args(spec.extra_args, set(contract["serve_flags"]))
+
+
+def _check_quantization(spec: ModelDeploymentSpec, device: str, served: dict[str, Any]) -> None:
+    """The quantization method and the KV-cache dtype must be ones the engine serves on the replica's device, and a
+    method whose tensors come quantized in the checkpoint must not need sharding where the engine cannot shard it."""
+    if spec.quantization is not None and spec.quantization not in served["quantization"]:
+        offered = ", ".join(served["quantization"]) or "none"
+        raise InvalidSpec(
+            "spec.quantization", f"{spec.quantization} is not served on {device} replicas by this engine ({offered})"
+        )
+    if spec.gpus > 1 and spec.quantization in served.get("quantization_without_tensor_parallel", ()):
+        # the engine refuses these checkpoints with --tensor-parallel-size > 1 at start-up (the CRD's CEL rule says
+        # the same; this covers bodies that did not pass it and an engine whose contract differs)
+        raise InvalidSpec(
+            "spec.quantization",
+            f"this engine does not serve {spec.quantization} checkpoints with tensor parallelism (spec.gpus is "
+            f"{spec.gpus}): set gpus to 1",
+        )
+    kv_dtypes = served.get("kv_cache_dtypes", ["auto"])
+    if spec.kv_cache_dtype is not None and spec.kv_cache_dtype not in kv_dtypes:
+        raise InvalidSpec(
+            "spec.kvCacheDtype",
+            f"{spec.kv_cache_dtype} is not served on {device} replicas by this engine ({', '.join(kv_dtypes)})",
+        )
 
 
 def _check_lora(spec: ModelDeploymentSpec, contract: dict[str, Any]) -> None:

@@ -1,7 +1,8 @@
 """Parse a ModelDeployment body once into a frozen, validated ``ModelDeploymentSpec``.
 
 The CRD's OpenAPI schema already enforces types, enums, minimums and defaults. This module checks what the schema
-cannot express (cross-field rules, the shape of ``pvc://`` sources, duplicate adapter names), mirrors its CEL rules,
+cannot express (cross-field rules, the shape of ``pvc://`` sources, duplicate adapter names), mirrors its CEL rules
+(but the one on quantization with tensor parallelism, which follows the engine's contract: ``capabilities.py``),
 and raises ``InvalidSpec`` naming the offending field, so the operator can report it in a Degraded condition.
 """
 
@@ -14,8 +15,9 @@ from typing import Any, Optional
 
 from pagoda_operator.constants import DEFAULT_ENGINE_IMAGE
 
-GPU_ONLY_QUANTIZATIONS = frozenset({"awq", "gptq", "fp8"})
-CPU_ONLY_QUANTIZATIONS = frozenset({"int8"})  # the engine's weight-only int8 kernels are CPU kernels
+# The CRD's CEL rule: the engine's weight-only int8 kernels are CPU kernels. Which method is served on which device
+# and which cannot be sharded over tensor-parallel workers is the engine's contract (capabilities.py), not this file.
+CPU_ONLY_QUANTIZATIONS = frozenset({"int8"})
 _HF_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
 # The engine's rule for adapter names (pagoda.lora.sources), also the CRD's pattern.
 _ADAPTER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}$")
@@ -133,6 +135,7 @@ class ModelDeploymentSpec:
     drain_seconds: int = DEFAULT_DRAIN_SECONDS  # the engine's --shutdown-timeout; the grace period follows it
     gpus: int = 0
     quantization: Optional[str] = None
+    kv_cache_dtype: Optional[str] = None  # spec.kvCacheDtype as given; unset or auto: the model's dtype
     max_model_len: Optional[int] = None
     dtype: Optional[str] = None
     gpu_memory_utilization: Optional[float] = None
@@ -337,8 +340,6 @@ def parse_spec(body: Mapping[str, Any]) -> ModelDeploymentSpec:
     engine = spec.get("engine") or {}
     gpus = int(spec.get("gpus", 0))
     quantization = spec.get("quantization")
-    if quantization in GPU_ONLY_QUANTIZATIONS and gpus == 0:
-        raise InvalidSpec("spec.quantization", f"{quantization} needs a GPU, but spec.gpus is 0")
     if quantization in CPU_ONLY_QUANTIZATIONS and gpus > 0:
         raise InvalidSpec("spec.quantization", f"{quantization} runs on CPU replicas only, but spec.gpus is {gpus}")
     lora = _parse_lora(spec)
@@ -357,6 +358,7 @@ def parse_spec(body: Mapping[str, Any]) -> ModelDeploymentSpec:
         drain_seconds=_parse_drain(spec, engine),
         gpus=gpus,
         quantization=quantization,
+        kv_cache_dtype=spec.get("kvCacheDtype"),
         max_model_len=spec.get("maxModelLen"),
         dtype=spec.get("dtype"),
         gpu_memory_utilization=spec.get("gpuMemoryUtilization"),

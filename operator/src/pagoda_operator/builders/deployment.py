@@ -63,6 +63,8 @@ def engine_args(spec: ModelDeploymentSpec) -> list[str]:
     if spec.gpus > 0:
         args += ["--tensor-parallel-size", str(spec.gpus)]
     _flag(args, "--quantization", spec.quantization)
+    if spec.kv_cache_dtype not in (None, "auto"):  # auto is the engine's default: no flag, as for an unset field
+        args += ["--kv-cache-dtype", spec.kv_cache_dtype]
     args += lora_args(spec)
     template = spec.chat_template
     if template is not None:
