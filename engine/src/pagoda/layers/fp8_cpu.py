@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from pagoda.layers.linear_kernels import gated_tile_order, gated_tiles_fit, untile_gated
+from pagoda.layers.linear_kernels import TwoOutputKernel, gated_tile_order, gated_tiles_fit, untile_gated
 from pagoda.quantization.weights import Fp8Weight
 
 # One k pair of a 64-row tile is 128 bytes: two halves of 32 rows x 2 values. Within a half the kernel's byte
@@ -52,7 +52,7 @@ def unpack_fp8_weight(packed: torch.Tensor, out_features: int, in_features: int)
 
 
 @dataclass(slots=True)
-class Fp8CpuLinear:
+class Fp8CpuLinear(TwoOutputKernel):
     """An FP8 weight-only linear layer (a :class:`~pagoda.layers.linear.LinearKernel`).
 
     ``native``: the weight is in the native kernel's packed layout, which serves bf16 activations; other dtypes
@@ -88,12 +88,6 @@ class Fp8CpuLinear:
     @property
     def out_features(self) -> int:
         return self.scales.shape[0]
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., in] -> [..., out]
-        return self._forward(x, float_out=False)
-
-    def float_output(self, x: torch.Tensor) -> torch.Tensor:  # self(x).float(), in one pass on the native kernel
-        return self._forward(x, float_out=True)
 
     def silu_and_mul(self, x: torch.Tensor) -> Optional[torch.Tensor]:
         """``silu(gate) * up`` [..., out / 2] from the epilogue (bf16 x); None where the layer is not gated."""

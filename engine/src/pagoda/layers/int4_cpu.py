@@ -24,7 +24,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from pagoda.layers.linear_kernels import gated_tile_order, gated_tiles_fit, untile_gated
+from pagoda.layers.linear_kernels import TwoOutputKernel, gated_tile_order, gated_tiles_fit, untile_gated
 from pagoda.quantization.weights import IntWeight
 
 _TILE = 64  # output rows per tile of the native kernel
@@ -118,7 +118,7 @@ def unpack_int_weight(
 
 
 @dataclass(slots=True)
-class Int4CpuLinear:
+class Int4CpuLinear(TwoOutputKernel):
     """A group-quantized linear layer on the CPU (see the module docstring for the three forms)."""
 
     packed: Optional[torch.Tensor]  # native layout (pack_int_weight); None: the torch form keeps ``weight``
@@ -148,12 +148,6 @@ class Int4CpuLinear:
         bias = None if bias is None else bias.float().contiguous()
         name = "int4-native-gated" if gated else "int4-native"
         return Int4CpuLinear(pack_int_weight(weight), None, *shape, bias, gated, name)
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., in] -> [..., out]
-        return self._forward(x, float_out=False)
-
-    def float_output(self, x: torch.Tensor) -> torch.Tensor:  # self(x).float(), in one pass on the native kernel
-        return self._forward(x, float_out=True)
 
     def silu_and_mul(self, x: torch.Tensor) -> Optional[torch.Tensor]:
         """``silu(gate) * up`` [..., out / 2] from the epilogue (bf16 x); None where the layer is not gated."""

@@ -156,8 +156,24 @@ class NativeGatedBf16Linear:
         return untile_gated(tiled, self.out_features)
 
 
+class TwoOutputKernel:
+    """``__call__`` and ``float_output`` of a kernel whose ``_forward(x, float_out)`` writes the activation dtype or
+    float32 (the logits) in one pass."""
+
+    __slots__ = ()
+
+    def _forward(self, x: torch.Tensor, float_out: bool) -> torch.Tensor:
+        raise NotImplementedError
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., in] -> [..., out]
+        return self._forward(x, float_out=False)
+
+    def float_output(self, x: torch.Tensor) -> torch.Tensor:  # self(x).float(), in one pass on the native kernels
+        return self._forward(x, float_out=True)
+
+
 @dataclass(slots=True)
-class Int8WeightOnlyLinear:
+class Int8WeightOnlyLinear(TwoOutputKernel):
     """Weight-only int8: ``q = round(w / scale)`` per output row, ``scale = max|w_row| / 127``.
 
     Activations are never quantized to 8 bits: the native kernel holds each activation row as 16-bit
@@ -190,12 +206,6 @@ class Int8WeightOnlyLinear:
             qweight = torch.ops.pagoda_cpu.pack_linear_weight(qweight)
         name = "int8-weight-only-gated" if gated else "int8-weight-only"
         return Int8WeightOnlyLinear(qweight, scales, bias, native, weight.shape[1], gated, name)
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., in] -> [..., out]
-        return self._forward(x, float_out=False)
-
-    def float_output(self, x: torch.Tensor) -> torch.Tensor:  # self(x).float(), in one pass on the native kernel
-        return self._forward(x, float_out=True)
 
     def silu_and_mul(self, x: torch.Tensor) -> Optional[torch.Tensor]:
         """``silu(gate) * up`` [..., intermediate] from the epilogue (bf16 x); None where the layer is not gated."""
