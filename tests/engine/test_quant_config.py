@@ -105,6 +105,16 @@ def test_published_quantization_configs_parse(quantization_config: dict, expecte
     assert checkpoint_quant_config({"quantization_config": quantization_config}) == expected
 
 
+def test_a_static_fp8_kv_cache_scheme_is_read_and_alone_quantizes_no_weights() -> None:
+    # llm-compressor's FP8-KV checkpoints: per-layer k_scale/v_scale tensors, used with --kv-cache-dtype fp8_*
+    with_kv = {**CT_FP8_DYNAMIC, "kv_cache_scheme": _ct_args("tensor")}
+    assert checkpoint_quant_config({"quantization_config": with_kv}) == checkpoint_quant_config(
+        {"quantization_config": CT_FP8_DYNAMIC}
+    )
+    kv_only = {**with_kv, "config_groups": {}}
+    assert checkpoint_quant_config({"quantization_config": kv_only}) is None
+
+
 def test_unquantized_config_has_no_quantization() -> None:
     assert checkpoint_quant_config({"model_type": "llama", "hidden_size": 64}) is None
 
@@ -154,7 +164,7 @@ def test_ignore_lists_match_names_and_regexes() -> None:
             "strategy 'block'",
         ),
         (_ct_config(_ct_args("channel"), _ct_args("tensor", dynamic=True)), "strategy 'tensor', dynamic True"),
-        ({**CT_FP8_DYNAMIC, "kv_cache_scheme": _ct_args("tensor")}, "kv_cache_scheme"),
+        ({**CT_FP8_DYNAMIC, "kv_cache_scheme": _ct_args("tensor", dynamic=True)}, "kv_cache_scheme"),
     ],
 )
 def test_unsupported_formats_raise_naming_the_problem_and_the_alternatives(quantization_config, named) -> None:

@@ -209,3 +209,56 @@ def test_checkpoint_kv_cache_scales_reach_every_attention_layer(tiny, tmp_path):
     assert (layers[0].self_attn.attn.k_scale, layers[0].self_attn.attn.v_scale) == (0.5, 0.25)
     assert (layers[1].self_attn.attn.k_scale, layers[1].self_attn.attn.v_scale) == (2.0, 2.0)
     assert len(llm.generate([PROMPTS[0]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == 24
+
+
+def _without_config_quantization(model_dir: Path, dst: Path) -> tuple[Path, dict]:
+    import shutil
+
+    shutil.copytree(model_dir, dst)
+    config = json.loads((dst / "config.json").read_text())
+    quantization = config.pop("quantization_config")
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst, quantization
+
+
+def test_older_exports_that_describe_their_quantization_beside_config_json_load(quantized, tmp_path):
+    gptq, settings = _without_config_quantization(quantized("llama", "gptq-g32-act-order"), tmp_path / "gptq")
+    settings.pop("quant_method")  # AutoGPTQ's quantize_config.json before it named the method
+    (gptq / "quantize_config.json").write_text(json.dumps(settings))
+    awq, settings = _without_config_quantization(quantized("llama", "awq-g32"), tmp_path / "awq")
+    legacy = {"w_bit": settings["bits"], "q_group_size": settings["group_size"], "zero_point": True, "version": "GEMM"}
+    (awq / "quant_config.json").write_text(json.dumps(legacy))  # AutoAWQ's own file
+    for model_dir in (gptq, awq):
+        kernels = _llm(model_dir, dtype="float32").engine.runner.linear_kernels
+        assert sum(n for k, n in kernels.items() if k.startswith("int4")) == 8, kernels
+
+
+def test_symmetric_awq_without_stored_zero_points_loads_with_the_midpoint_zero(tiny, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    model_dir = write_quantized_checkpoint(tiny.get("llama"), tmp_path / "sym", "awq", bits=4, group_size=32, sym=True)
+    reference = reference_with(tiny.get("llama"), dequantized_state(model_dir))
+    tensors = {n: t for n, t in load_file(model_dir / "model.safetensors").items() if not n.endswith(".qzeros")}
+    save_file(tensors, model_dir / "model.safetensors", metadata={"format": "pt"})
+    llm = _llm(model_dir, dtype="float32")
+    outputs = llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
+    assert outputs[0].outputs[0].token_ids == hf_greedy(reference, PROMPTS[0], 24)
+
+
+def test_quantized_layers_never_allocate_a_dense_weight_while_the_model_is_built(quantized, monkeypatch):
+    import pagoda.loader
+
+    materialized: list[str] = []
+    real = pagoda.loader.materialize_linear_weights
+
+    def spy(model, device):
+        from pagoda.layers.linear import Linear
+
+        layers = [n for n, m in model.named_modules() if isinstance(m, Linear) and m.weight is not None]
+        assert all(model.get_submodule(n).weight.is_meta for n in layers)  # built without memory
+        materialized.extend(layers)
+        real(model, device)
+
+    monkeypatch.setattr(pagoda.loader, "materialize_linear_weights", spy)
+    _llm(quantized("llama", "awq-g32"), dtype="float32")
+    assert materialized == ["lm_head"]  # the only layer the checkpoint left unquantized

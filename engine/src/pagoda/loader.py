@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -13,6 +14,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from pagoda.distributed.parallel import SINGLE, TensorParallel
+from pagoda.layers.linear import linear_weights_on_meta, materialize_linear_weights
 from pagoda.model_config import ModelConfig
 from pagoda.models.registry import get_model_class
 from pagoda.quantization.loading import (
@@ -95,12 +97,14 @@ def load_model(
             f"{quant.method} checkpoints are not sharded across tensor-parallel ranks yet: use --tensor-parallel-size 1"
         )
     model_cls = get_model_class(config.architecture)
-    with torch.device(device):
+    serialized = quant is not None and quant.serialized
+    with torch.device(device), linear_weights_on_meta() if serialized else contextlib.nullcontext():
         model = model_cls(config, attn_backend, dtype, tp=tp)
     model.quant_config = quant  # how prepare_linear_layers turns the weights into kernels
     router = None
-    if quant is not None and quant.serialized:
+    if serialized:
         router = attach_quantized_sources(model, quant, checkpoint_tensor_names(safetensors_files(model_dir)))
+        materialize_linear_weights(model, device)  # the layers the checkpoint left unquantized (the lm_head)
     read = model.read_shard if tp.world_size > 1 else None
     kv_scales: dict[str, torch.Tensor] = {}
 

@@ -36,7 +36,8 @@ MODEL_FILE_PATTERNS = (
     "*.safetensors.index.json",
     "config.json",
     "generation_config.json",
-    "quantize_config.json",
+    "quantize_config.json",  # AutoGPTQ exports that keep their quantization here, not in config.json
+    "quant_config.json",  # AutoAWQ exports, likewise
     "tokenizer.json",
     "tokenizer_config.json",
     "tokenizer.model",

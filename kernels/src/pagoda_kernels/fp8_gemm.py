@@ -274,18 +274,18 @@ def fp8_scaled_mm(
     if k % 16 or n % 16:
         raise ValueError(f"torch._scaled_mm needs K and N divisible by 16, got K={k}, N={n}")
     xq, x_scales = quantize_fp8_rows(x, input_scale)  # [M, K], [M, 1]
-    add_bias = bias is not None and x.dtype in (torch.float16, torch.bfloat16)  # no bias into float32 outputs
     if rowwise:
+        # A bias is added after a float32 output (one rounding, as the reference): the load-time probe of row-wise
+        # support runs without one, and some cuBLASLt builds refuse a bias with row-wise scales.
         y = torch._scaled_mm(
             xq,
             qweight.t(),  # [K, N], column-major as cuBLASLt wants
             scale_a=x_scales,
             scale_b=scales.view(1, n),
-            bias=bias.to(x.dtype) if add_bias else None,
-            out_dtype=x.dtype,
+            out_dtype=x.dtype if bias is None else torch.float32,
         )
-        if bias is not None and not add_bias:
-            y = y + bias.to(x.dtype)
+        if bias is not None:
+            y = (y + bias.float()).to(x.dtype)
     else:
         one = torch.ones((), dtype=torch.float32, device=x.device)
         acc = torch._scaled_mm(xq, qweight.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import contextvars
+from collections.abc import Iterator, Sequence
 from typing import Any, Optional, Protocol
 
 import torch
@@ -20,6 +22,29 @@ class LinearKernel(Protocol):
     def float_output(self, x: torch.Tensor) -> torch.Tensor:
         """``self(x).float()``, for kernels that can write it in one pass."""
         ...
+
+
+_WEIGHTS_ON_META = contextvars.ContextVar("pagoda_linear_weights_on_meta", default=False)
+
+
+@contextlib.contextmanager
+def linear_weights_on_meta() -> Iterator[None]:
+    """Linear layers built inside this block get their dense weight on the meta device (no memory): the loader of a
+    quantized checkpoint removes the quantized layers' weights and then :func:`materialize_linear_weights` the rest.
+    Without it a 70B AWQ model would first allocate its whole bf16 size on the GPU."""
+    token = _WEIGHTS_ON_META.set(True)
+    try:
+        yield
+    finally:
+        _WEIGHTS_ON_META.reset(token)
+
+
+def materialize_linear_weights(model: nn.Module, device: torch.device | str) -> None:
+    """Allocate (uninitialised, on ``device``) every Linear weight still on the meta device."""
+    for layer in model.modules():
+        if isinstance(layer, Linear) and layer.weight is not None and layer.weight.is_meta:
+            shape, dtype = layer.weight.shape, layer.weight.dtype
+            layer.weight = nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
 
 
 class Linear(nn.Module):
@@ -44,7 +69,10 @@ class Linear(nn.Module):
             assert shared_weight.shape == (out_features, in_features), shared_weight.shape
             self.weight = shared_weight
         else:
-            self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
+            device = "meta" if _WEIGHTS_ON_META.get() else None  # None: the default (or torch.device context)
+            self.weight = nn.Parameter(
+                torch.empty(out_features, in_features, dtype=dtype, device=device), requires_grad=False
+            )
         self.bias: Optional[nn.Parameter] = (
             nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
         )

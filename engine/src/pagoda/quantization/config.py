@@ -172,7 +172,7 @@ def _parse_gptq(qc: dict[str, Any]) -> QuantConfig:
     )
 
 
-def _parse_compressed_tensors(qc: dict[str, Any]) -> QuantConfig:
+def _parse_compressed_tensors(qc: dict[str, Any]) -> Optional[QuantConfig]:
     fmt = qc.get("format")
     if fmt not in _CT_FORMATS:
         raise _unsupported(f"compressed-tensors format {fmt!r}")
@@ -181,11 +181,15 @@ def _parse_compressed_tensors(qc: dict[str, Any]) -> QuantConfig:
     sparsity = qc.get("sparsity_config") or {}
     if sparsity and sparsity.get("format", "dense") != "dense":
         raise _unsupported(f"compressed-tensors sparsity ({sparsity.get('format')!r})")
-    for key in ("kv_cache_scheme", "transform_config"):
-        if qc.get(key):
-            raise _unsupported(f"compressed-tensors {key}")
+    if qc.get("transform_config"):
+        raise _unsupported("compressed-tensors transform_config")
+    kv_scheme = qc.get("kv_cache_scheme")
+    if kv_scheme and not _static_fp8_tensor_scheme(kv_scheme):
+        raise _unsupported(f"compressed-tensors kv_cache_scheme {kv_scheme!r} (only static per-tensor FP8)")
     groups = qc.get("config_groups") or {}
     if not groups:
+        if kv_scheme:  # KV-cache scales only (k_scale/v_scale tensors, read with --kv-cache-dtype fp8_*)
+            return None
         raise _unsupported("compressed-tensors without config_groups")
     schemes = {_ct_fp8_scheme(name, group) for name, group in groups.items()}
     if len(schemes) != 1:
@@ -195,6 +199,12 @@ def _parse_compressed_tensors(qc: dict[str, Any]) -> QuantConfig:
     return QuantConfig(
         "fp8", True, bits=8, fp8_weight_strategy=strategy, fp8_dynamic_activations=dynamic, ignore=ignore
     )
+
+
+def _static_fp8_tensor_scheme(scheme: dict[str, Any]) -> bool:
+    """A KV-cache scheme whose per-layer k_scale/v_scale tensors the FP8 KV cache can use as they are."""
+    kind = (scheme.get("num_bits"), scheme.get("type"), scheme.get("strategy"), bool(scheme.get("dynamic", False)))
+    return kind == (8, "float", "tensor", False) and scheme.get("symmetric", True)
 
 
 def _ct_fp8_scheme(name: str, group: dict[str, Any]) -> tuple[str, bool]:

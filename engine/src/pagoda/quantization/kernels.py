@@ -48,6 +48,11 @@ def quantized_layer_kernel(
     if source is not None:
         weight = source.build()
         layer.quant_source = None  # the checkpoint tensors go once the kernel holds its copy
+        if (weight.out_features, weight.in_features) != (layer.out_features, layer.in_features):
+            raise ValueError(
+                f"{module_name}: the checkpoint's quantized weight is [{weight.out_features}, {weight.in_features}], "
+                f"the model's config says [{layer.out_features}, {layer.in_features}]"
+            )
         return kernel_for_weight(weight, bias, device, gated)
     online_fp8 = quant is not None and quant.method == "fp8" and not quant.serialized
     if online_fp8 and module_name.rsplit(".", 1)[-1] != "lm_head":

@@ -21,7 +21,12 @@ from torch import nn
 
 from pagoda.layers.linear import Linear, MergedLinear
 from pagoda.quantization.config import QuantConfig, resolve_quant_config
-from pagoda.quantization.formats import QUANT_TENSOR_SUFFIXES, build_quantized_weight, is_quantized_module
+from pagoda.quantization.formats import (
+    OPTIONAL_SUFFIXES,
+    QUANT_TENSOR_SUFFIXES,
+    build_quantized_weight,
+    is_quantized_module,
+)
 from pagoda.quantization.weights import Fp8Weight, IntWeight
 
 # Pagoda fuses these checkpoint projections (see pagoda.models.weights): fused module -> its parts, in order.
@@ -32,8 +37,25 @@ _FUSED_MODULES: dict[str, tuple[str, ...]] = {
 
 
 def read_hf_config(model_dir: Union[str, Path]) -> dict:
-    """config.json of a Hugging Face model directory, as a dict."""
-    return json.loads((Path(model_dir) / "config.json").read_text())
+    """config.json of a Hugging Face model directory, as a dict; older AutoGPTQ/AutoAWQ exports that describe their
+    quantization only in ``quantize_config.json`` / ``quant_config.json`` get it as ``quantization_config``."""
+    path = Path(model_dir)
+    config = json.loads((path / "config.json").read_text())
+    if "quantization_config" in config or "compression_config" in config:
+        return config
+    gptq, awq = path / "quantize_config.json", path / "quant_config.json"
+    if gptq.is_file():
+        config["quantization_config"] = {"quant_method": "gptq", **json.loads(gptq.read_text())}
+    elif awq.is_file():
+        legacy = json.loads(awq.read_text())  # AutoAWQ: w_bit, q_group_size, zero_point, version "GEMM"
+        config["quantization_config"] = {
+            "quant_method": "awq",
+            "bits": legacy.get("w_bit", legacy.get("bits")),
+            "group_size": legacy.get("q_group_size", legacy.get("group_size")),
+            "zero_point": legacy.get("zero_point", True),
+            "version": str(legacy.get("version", "gemm")).lower(),
+        }
+    return config
 
 
 def quant_config_for(model_dir: Union[str, Path], requested: Optional[str]) -> Optional[QuantConfig]:
@@ -57,7 +79,7 @@ class QuantizedSource:
         missing = [
             f"{module}.{suffix}"
             for module, tensors in zip(self.hf_modules, self.parts)
-            for suffix in _required_suffixes(self.config.method)
+            for suffix in _required_suffixes(self.config)
             if suffix not in tensors
         ]
         if missing:
@@ -69,9 +91,10 @@ class QuantizedSource:
         return type(weights[0]).concat(weights)  # type: ignore[arg-type]
 
 
-def _required_suffixes(method: str) -> tuple[str, ...]:
-    optional = {"g_idx", "input_scale"}
-    return tuple(s for s in QUANT_TENSOR_SUFFIXES[method] if s not in optional)
+def _required_suffixes(config: QuantConfig) -> tuple[str, ...]:
+    """What every part must have; the converter checks the rest (e.g. symmetric AWQ may omit qzeros)."""
+    optional = set(OPTIONAL_SUFFIXES[config.method])
+    return tuple(s for s in QUANT_TENSOR_SUFFIXES[config.method] if s not in optional)
 
 
 def _hf_modules(module_name: str, layer: Linear) -> tuple[str, ...]:
