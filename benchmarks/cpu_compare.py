@@ -12,8 +12,13 @@ environments (their dependencies clash with ours); point at their interpreters w
 ``--vllm-python`` / ``--llama-cpp-python`` or ``PAGODA_VLLM_PYTHON`` / ``PAGODA_LLAMA_CPP_PYTHON``
 (README: "Comparing on CPU"). A baseline that is not installed is skipped with a message.
 
-    python benchmarks/cpu_compare.py                       # Pagoda, Pagoda int8, transformers
+Weight-only int4 rows: Pagoda serving an AWQ int4 checkpoint (group size 128) written once from the bf16 one
+by ``pagoda.quantization.writers`` and cached beside it (``<model-dir>-awq-int4-g128``), against llama.cpp's
+Q4_0 and Q4_K_M made from the BF16 GGUF by llama.cpp's own quantizer.
+
+    python benchmarks/cpu_compare.py                       # Pagoda bf16 / int8 / AWQ int4, transformers
     PAGODA_VLLM_PYTHON=... PAGODA_LLAMA_CPP_PYTHON=... python benchmarks/cpu_compare.py
+    python benchmarks/cpu_compare.py --only pagoda,pagoda-awq,llamacpp-q4_0,llamacpp-q4_k_m   # the int4 rows
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -46,32 +52,74 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 RUNNERS = Path(__file__).resolve().parent / "baselines"
 
 
+AWQ_GROUP_SIZE = 128
+
+
 @dataclass(frozen=True, slots=True)
 class System:
-    """One row of the table: a runner script, the interpreter that runs it and its options."""
+    """One row of the table: a runner script, the interpreter that runs it, its options and its checkpoint."""
 
-    name: str
+    key: str  # what --only names
+    name: str  # the table's row
     runner: str
     python: Optional[str]  # None: not installed
     options: tuple[str, ...] = ()
     missing_hint: str = ""
+    checkpoint: str = "bf16"  # bf16: the Qwen3-shaped checkpoint; awq: its AWQ int4 conversion
 
 
 def systems(args: argparse.Namespace) -> list[System]:
+    """The systems to run: all of them, or those ``--only`` names (by key or by table name)."""
     vllm_python = args.vllm_python or os.environ.get("PAGODA_VLLM_PYTHON")
     llama_python = args.llama_cpp_python or os.environ.get("PAGODA_LLAMA_CPP_PYTHON")
     hint_vllm = "set --vllm-python or PAGODA_VLLM_PYTHON (README: Comparing on CPU)"
     hint_llama = "set --llama-cpp-python or PAGODA_LLAMA_CPP_PYTHON (README: Comparing on CPU)"
+    llama = ("llama_cpp_runner.py", llama_python)
     every = [
-        System("pagoda", "pagoda_runner.py", sys.executable),
-        System("pagoda int8", "pagoda_runner.py", sys.executable, ("--quantization", "int8")),
-        System("transformers", "transformers_runner.py", sys.executable),
-        System("vllm-cpu", "vllm_runner.py", vllm_python, (), hint_vllm),
-        System("llama.cpp bf16", "llama_cpp_runner.py", llama_python, ("--quant", "bf16"), hint_llama),
-        System("llama.cpp q8_0", "llama_cpp_runner.py", llama_python, ("--quant", "q8_0"), hint_llama),
+        System("pagoda", "pagoda", "pagoda_runner.py", sys.executable),
+        System("pagoda-int8", "pagoda int8", "pagoda_runner.py", sys.executable, ("--quantization", "int8")),
+        System("pagoda-awq", "pagoda awq int4", "pagoda_runner.py", sys.executable, checkpoint="awq"),
+        System("transformers", "transformers", "transformers_runner.py", sys.executable),
+        System("vllm-cpu", "vllm-cpu", "vllm_runner.py", vllm_python, (), hint_vllm),
+        System("llamacpp-bf16", "llama.cpp bf16", *llama, ("--quant", "bf16"), hint_llama),
+        System("llamacpp-q8_0", "llama.cpp q8_0", *llama, ("--quant", "q8_0"), hint_llama),
+        System("llamacpp-q4_0", "llama.cpp q4_0", *llama, ("--quant", "q4_0"), hint_llama),
+        System("llamacpp-q4_k_m", "llama.cpp q4_k_m", *llama, ("--quant", "q4_k_m"), hint_llama),
     ]
-    chosen = set(args.systems.split(",")) if args.systems else None
-    return [s for s in every if chosen is None or s.name in chosen]
+    if not args.systems:
+        return every
+    chosen = {name.strip() for name in args.systems.split(",")}
+    unknown = chosen - {s.key for s in every} - {s.name for s in every}
+    if unknown:
+        raise ValueError(f"unknown systems {sorted(unknown)}; known: {', '.join(s.key for s in every)}")
+    return [s for s in every if s.key in chosen or s.name in chosen]
+
+
+def ensure_awq_checkpoint(model_dir: Path) -> Path:
+    """The AWQ int4 (group 128) conversion of ``model_dir``, written once beside it by Pagoda's writer."""
+    out = model_dir.with_name(f"{model_dir.name}-awq-int4-g{AWQ_GROUP_SIZE}")
+    if (out / "config.json").is_file():
+        log(f"reusing the AWQ int4 checkpoint in {out}")
+        return out
+    from pagoda.quantization.writers import write_quantized_checkpoint
+
+    log(f"writing the AWQ int4 checkpoint {out} (once)")
+    partial = out.with_name(out.name + ".partial")  # renamed when done: a killed write is never reused
+    shutil.rmtree(partial, ignore_errors=True)
+    write_quantized_checkpoint(model_dir, partial, "awq", bits=4, group_size=AWQ_GROUP_SIZE)
+    partial.rename(out)
+    return out
+
+
+def checkpoints(model_dir: Path, chosen: list[System]) -> dict[str, Path | str]:
+    """Checkpoint directory per ``System.checkpoint`` kind, or why it could not be made."""
+    result: dict[str, Path | str] = {"bf16": model_dir}
+    if any(s.checkpoint == "awq" for s in chosen):
+        try:
+            result["awq"] = ensure_awq_checkpoint(model_dir)
+        except Exception as exc:  # noqa: BLE001 - one row is skipped, the rest of the comparison still runs
+            result["awq"] = f"no AWQ checkpoint: {type(exc).__name__}: {exc}"
+    return result
 
 
 def make_workload(args: argparse.Namespace) -> dict:
@@ -92,10 +140,12 @@ def make_workload(args: argparse.Namespace) -> dict:
     }
 
 
-def run_system(system: System, model_dir: Path, workload_path: Path, args: argparse.Namespace) -> dict:
-    """Run one runner process; return its result, or {"error": ...}."""
+def run_system(system: System, model_dir: Path | str, workload_path: Path, args: argparse.Namespace) -> dict:
+    """Run one runner process on ``model_dir`` (a str: why there is none); return its result, or {"error": ...}."""
     if system.python is None or not Path(system.python).exists():
         return {"skipped": f"not installed: {system.missing_hint}"}
+    if isinstance(model_dir, str):
+        return {"skipped": model_dir}
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
         cmd = [system.python, str(RUNNERS / system.runner), "--model", str(model_dir)]
@@ -124,8 +174,19 @@ def median_result(runs: list[dict]) -> dict:
     merged = dict(ok[0], rounds=len(ok))
     merged["prefill_tok_s"] = statistics.median(r["prefill_tok_s"] for r in ok)
     for key in ("decode", "decode_step_ms"):
-        merged[key] = {b: statistics.median(r[key][b] for r in ok if b in r.get(key, {})) for b in ok[0].get(key, {})}
+        merged[key] = {}
+        for b in ok[0].get(key, {}):
+            # protocol.measure clamps t(1 + N) - t(1) to 1 ns when a burst of other work made the 1-token run
+            # slower than the full one: such a round measured nothing, so it is left out (and counted).
+            valid = [r[key][b] for r in ok if b in r.get(key, {}) and r["decode_step_ms"][b] > MIN_STEP_MS]
+            if valid:
+                merged[key][b] = statistics.median(valid)
+            if len(valid) < len(ok):
+                merged.setdefault("inverted_decode_rounds", {})[b] = len(ok) - len(valid)
     return merged
+
+
+MIN_STEP_MS = 1e-3  # below any real decode step: the mark of protocol.measure's clamp
 
 
 def _fmt(value: Optional[float]) -> str:
@@ -159,6 +220,10 @@ RATIOS = [
     ("pagoda int8", "vllm-cpu"),
     ("pagoda", "transformers"),
     ("pagoda int8", "pagoda"),
+    ("pagoda awq int4", "pagoda"),
+    ("pagoda awq int4", "llama.cpp q4_0"),
+    ("pagoda awq int4", "llama.cpp q4_k_m"),
+    ("pagoda awq int4", "pagoda int8"),
 ]
 
 
@@ -169,7 +234,14 @@ def _ratio(a: Optional[float], b: Optional[float]) -> str:
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-dir", type=Path, default=REPO_ROOT / ".bench" / "qwen3-0.6b-shape")
-    parser.add_argument("--systems", default=None, help="comma-separated subset, e.g. 'pagoda,vllm-cpu'")
+    parser.add_argument(
+        "--only",
+        "--systems",
+        dest="systems",
+        default=None,
+        help="comma-separated subset by key or table name, e.g. 'pagoda,pagoda-awq,llamacpp-q4_0' (keys: pagoda, "
+        "pagoda-int8, pagoda-awq, transformers, vllm-cpu, llamacpp-bf16, llamacpp-q8_0, llamacpp-q4_0, llamacpp-q4_k_m)",
+    )
     parser.add_argument("--vllm-python", default=None, help="interpreter of a venv with vllm-cpu installed")
     parser.add_argument("--llama-cpp-python", default=None, help="interpreter of a venv with llama-cpp-python")
     parser.add_argument("--prefill-len", type=int, default=512)
@@ -189,13 +261,16 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 
 def main(argv: Optional[list[str]] = None) -> None:
     args = parse_args(argv)
+    chosen = systems(args)
     model_dir = ensure_qwen3_shape_checkpoint(args.model_dir)
+    model_dirs = checkpoints(model_dir, chosen)
     facts = machine_facts()
     # Before the systems run, so the bandwidth is measured on a quiet machine. The kernel selection is the engine's
     # own (the same per-machine cache), measured here once if the cache has no entry yet.
     facts["host"] = host_facts()
     facts["host"]["kernels"] = kernel_selection()
-    facts["host"]["kernels_int8"] = kernel_selection("int8")
+    if any(s.key == "pagoda-int8" for s in chosen):
+        facts["host"]["kernels_int8"] = kernel_selection("int8")
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
         workload_path = Path(tmp) / "workload.json"
@@ -204,8 +279,8 @@ def main(argv: Optional[list[str]] = None) -> None:
         for round_index in range(args.rounds):
             if args.rounds > 1:
                 log(f"round {round_index + 1} of {args.rounds}")
-            for system in systems(args):
-                result = run_system(system, model_dir, workload_path, args)
+            for system in chosen:
+                result = run_system(system, model_dirs[system.checkpoint], workload_path, args)
                 rounds.setdefault(system.name, []).append(result)
                 if "skipped" in result or "error" in result:
                     log(f"{system.name}: {result.get('skipped') or result['error']}")
@@ -214,7 +289,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({"machine": facts, "results": results}, indent=2))
     print(
-        f"\nQwen3-0.6B-shaped random weights, bf16, {facts['cpus']} CPUs ({facts['cpu']}), load {facts['load_avg_1m_start']}"
+        f"\nQwen3-0.6B-shaped random weights, bf16 (int4 rows: quantized from it), {facts['cpus']} CPUs "
+        f"({facts['cpu']}), load {facts['load_avg_1m_start']}"
     )
     print(table(results, batches, args.prefill_len))
     print(format_facts(facts["host"]))

@@ -1,10 +1,15 @@
-"""Convert a Hugging Face Qwen3 safetensors checkpoint into a GGUF file llama.cpp loads (BF16 or Q8_0).
+"""Convert a Hugging Face Qwen3 safetensors checkpoint into a GGUF file llama.cpp loads (BF16, Q8_0, Q4_0, Q4_K_M).
 
-Runs in the llama.cpp virtual environment (needs only ``numpy`` and ``gguf``; no torch): the safetensors
-files are parsed by hand so BF16 weights are copied bit-for-bit. The tokenizer section is a minimal
+Runs in the llama.cpp virtual environment (``numpy`` and ``gguf``; no torch): the safetensors files are
+parsed by hand so BF16 weights are copied bit-for-bit. The tokenizer section is a minimal
 SentencePiece-style ("llama") vocabulary — the benchmark feeds token ids directly, so it only has to load.
 
-    python gguf_export.py --model DIR [--quant bf16|q8_0] [--out FILE]
+BF16 and Q8_0 are written here. Q4_0 and Q4_K_M are made the way llama.cpp users make them: the BF16 GGUF
+quantized by llama.cpp's own quantizer (``llama_model_quantize`` through llama-cpp-python), with its default
+per-tensor choices (for example the tied token embedding, which is also the output matrix, becomes Q6_K in
+both; Q4_K_M also keeps ``attn_v`` and ``ffn_down`` of half the layers, 14 of 28 here, in Q6_K).
+
+    python gguf_export.py --model DIR [--quant bf16|q8_0|q4_0|q4_k_m] [--out FILE]
 
 Without ``--out`` the file is cached as ``DIR/ggml-model-<quant>.gguf`` and reused when present.
 """
@@ -39,6 +44,8 @@ _QUANTS = {
     "bf16": (gguf.GGMLQuantizationType.BF16, gguf.LlamaFileType.MOSTLY_BF16),
     "q8_0": (gguf.GGMLQuantizationType.Q8_0, gguf.LlamaFileType.MOSTLY_Q8_0),
 }
+# Made from the BF16 GGUF by llama.cpp's quantizer: --quant -> the LLAMA_FTYPE_MOSTLY_* constant's name.
+_LLAMA_CPP_FTYPES = {"q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0", "q4_k_m": "LLAMA_FTYPE_MOSTLY_Q4_K_M"}
 _NP_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}
 
 
@@ -178,12 +185,36 @@ def export(model_dir: Path, quant: str, out: Path) -> Path:
     return out
 
 
+def quantize_with_llama_cpp(source: Path, quant: str, out: Path, threads: int = 0) -> Path:
+    """Quantize the GGUF ``source`` to ``out`` with llama.cpp's own quantizer (``quant`` in q4_0, q4_k_m).
+
+    ``threads`` 0 lets llama.cpp use every core. Written aside and renamed, like :func:`export`.
+    """
+    import ctypes
+
+    import llama_cpp as ll
+
+    params = ll.llama_model_quantize_default_params()
+    params.ftype = getattr(ll, _LLAMA_CPP_FTYPES[quant])
+    params.nthread = threads
+    partial = out.with_name(out.name + ".partial")
+    status = ll.llama_model_quantize(str(source).encode(), str(partial).encode(), ctypes.byref(params))
+    if status != 0:
+        partial.unlink(missing_ok=True)
+        raise RuntimeError(f"llama_model_quantize({source.name} -> {quant}) failed with status {status}")
+    partial.rename(out)
+    return out
+
+
 def ensure_gguf(model_dir: Path, quant: str) -> Path:
-    """The cached GGUF for ``quant``, exporting it first if it is missing."""
+    """The cached GGUF for ``quant``, exporting (and for Q4 quantizing the BF16 one) first if it is missing."""
     path = gguf_path(model_dir, quant)
     if not path.exists():
         print(f"[gguf_export] writing {path}", file=sys.stderr, flush=True)
-        export(model_dir, quant, path)
+        if quant in _LLAMA_CPP_FTYPES:
+            quantize_with_llama_cpp(ensure_gguf(model_dir, "bf16"), quant, path)
+        else:
+            export(model_dir, quant, path)
     return path
 
 
@@ -191,11 +222,13 @@ def main() -> None:
     """Command line: export one checkpoint to GGUF."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True, help="HF Qwen3 checkpoint directory")
-    parser.add_argument("--quant", choices=sorted(_QUANTS), default="bf16")
+    parser.add_argument("--quant", choices=sorted([*_QUANTS, *_LLAMA_CPP_FTYPES]), default="bf16")
     parser.add_argument("--out", default=None, help="output file (default: cached next to the checkpoint)")
     args = parser.parse_args()
     model_dir = Path(args.model)
-    if args.out:
+    if args.out and args.quant in _LLAMA_CPP_FTYPES:
+        print(quantize_with_llama_cpp(ensure_gguf(model_dir, "bf16"), args.quant, Path(args.out)))
+    elif args.out:
         print(export(model_dir, args.quant, Path(args.out)))
     else:
         print(ensure_gguf(model_dir, args.quant))

@@ -3,11 +3,11 @@
 Runs inside the llama.cpp virtual environment, not Pagoda's:
 
     /work/baselines/llamacpp/bin/python benchmarks/baselines/llama_cpp_runner.py \
-        --model DIR --workload W.json --out R.json [--threads N] [--quant bf16|q8_0] [--gguf FILE] \
+        --model DIR --workload W.json --out R.json [--threads N] [--quant bf16|q8_0|q4_0|q4_k_m] [--gguf FILE] \
         [--n-ctx N] [--flash-attn auto|on|off] [--omp-wait-policy passive|active|unset]
 
 The Hugging Face checkpoint is converted once to ``DIR/ggml-model-<quant>.gguf`` by gguf_export.py (run
-as a subprocess) and reused afterwards. A batch of B prompts is decoded for real as a batch: one
+as a subprocess) and reused afterwards; Q4_0 and Q4_K_M are the BF16 GGUF run through llama.cpp's own quantizer. A batch of B prompts is decoded for real as a batch: one
 context with ``n_seq_max = B`` and a unified KV cache, the prompts prefilled together, then one
 ``llama_decode`` per step carrying one token for each of the B sequences, greedy argmax over each
 sequence's logits (EOS ignored). ``OMP_WAIT_POLICY`` is left as llama.cpp ships it (spinning threads): on a
@@ -36,7 +36,7 @@ _FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}
 
 def add_options(parser: argparse.ArgumentParser) -> None:
     """llama.cpp-specific command-line options."""
-    parser.add_argument("--quant", choices=["bf16", "q8_0"], default="bf16", help="GGUF weight type")
+    parser.add_argument("--quant", choices=["bf16", "q8_0", "q4_0", "q4_k_m"], default="bf16", help="GGUF weight type")
     parser.add_argument("--gguf", default=None, help="use this GGUF instead of the cached conversion")
     parser.add_argument("--n-ctx", type=int, default=None, help="KV cache size in tokens (default: from workload)")
     parser.add_argument("--flash-attn", choices=sorted(_FLASH_ATTN), default="auto")
