@@ -3,6 +3,7 @@ transformers baselines, machine facts, and the rows of the final table."""
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import random
@@ -17,24 +18,14 @@ import torch
 
 _START = time.monotonic()
 
-# Real Qwen3-0.6B dimensions; only the weights are random.
-QWEN3_SHAPE = dict(
-    vocab_size=151936,
-    hidden_size=1024,
-    intermediate_size=3072,
-    num_hidden_layers=28,
-    num_attention_heads=16,
-    num_key_value_heads=8,
-    head_dim=128,
-    rms_norm_eps=1e-6,
-    rope_parameters={"rope_theta": 1_000_000.0, "rope_type": "default"},
-    max_position_embeddings=4096,
-    tie_word_embeddings=True,
-    attention_bias=False,
-    bos_token_id=1,
-    eos_token_id=2,
-    pad_token_id=0,
-)
+REPO_ROOT = Path(__file__).resolve().parent.parent
+# Checkpoints, logs and JSON results of the benchmarks (git ignores it).
+BENCH_DIR = REPO_ROOT / ".bench"
+# The Qwen3-shaped checkpoint every benchmark that runs it shares (built once).
+QWEN3_SHAPE_DIR = BENCH_DIR / "qwen3-0.6b-shape"
+
+# Real Qwen3-0.6B dimensions: config.json fields for transformers' Qwen3Config; only the weights are random.
+QWEN3_SHAPE: dict = json.loads((Path(__file__).resolve().parent / "qwen3_shape.json").read_text())
 # Token ids below this are special in the synthetic tokenizer; prompts never use them.
 FIRST_PLAIN_TOKEN_ID = 3
 
@@ -84,7 +75,7 @@ def random_tokens(seed: int, count: int, vocab_size: int) -> list[int]:
 # ---- the Qwen3-shaped checkpoint ------------------------------------------------------------
 
 
-def ensure_qwen3_shape_checkpoint(model_dir: Path, shape: Optional[dict] = None) -> Path:
+def ensure_qwen3_shape_checkpoint(model_dir: Path = QWEN3_SHAPE_DIR, shape: Optional[dict] = None) -> Path:
     """Build (once) a bf16 checkpoint with Qwen3-0.6B's shapes (or ``shape``) and random weights in ``model_dir``."""
     if (model_dir / "config.json").is_file() and (model_dir / "tokenizer.json").is_file():
         log(f"reusing the Qwen3-shaped checkpoint in {model_dir}")

@@ -13,7 +13,7 @@ environments (their dependencies clash with ours); point at their interpreters w
 (README: "Comparing on CPU"). A baseline that is not installed is skipped with a message.
 
 Weight-only int4 rows: Pagoda serving an AWQ int4 checkpoint (group size 128) written once from the bf16 one
-by ``pagoda.quantization.writers`` and cached beside it (``<model-dir>-awq-int4-g128``), against llama.cpp's
+by ``pagoda.testing.quant_writers`` and cached beside it (``<model-dir>-awq-int4-g128``), against llama.cpp's
 Q4_0 and Q4_K_M made from the BF16 GGUF by llama.cpp's own quantizer.
 
     python benchmarks/cpu_compare.py                       # Pagoda bf16 / int8 / AWQ int4, transformers
@@ -39,8 +39,10 @@ from typing import Optional
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (  # noqa: E402
+    BENCH_DIR,
     FIRST_PLAIN_TOKEN_ID,
     QWEN3_SHAPE,
+    QWEN3_SHAPE_DIR,
     ensure_qwen3_shape_checkpoint,
     format_table,
     log,
@@ -48,7 +50,6 @@ from common import (  # noqa: E402
 )
 from cpu_facts import format_facts, host_facts, kernel_selection  # noqa: E402
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 RUNNERS = Path(__file__).resolve().parent / "baselines"
 
 
@@ -101,7 +102,7 @@ def ensure_awq_checkpoint(model_dir: Path) -> Path:
     if (out / "config.json").is_file():
         log(f"reusing the AWQ int4 checkpoint in {out}")
         return out
-    from pagoda.quantization.writers import write_quantized_checkpoint
+    from pagoda.testing.quant_writers import write_quantized_checkpoint
 
     log(f"writing the AWQ int4 checkpoint {out} (once)")
     partial = out.with_name(out.name + ".partial")  # renamed when done: a killed write is never reused
@@ -233,7 +234,7 @@ def _ratio(a: Optional[float], b: Optional[float]) -> str:
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model-dir", type=Path, default=REPO_ROOT / ".bench" / "qwen3-0.6b-shape")
+    parser.add_argument("--model-dir", type=Path, default=QWEN3_SHAPE_DIR)
     parser.add_argument(
         "--only",
         "--systems",
@@ -255,7 +256,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         "--rounds", type=int, default=1, help="sweep all systems this many times; report per-metric medians"
     )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", type=Path, default=REPO_ROOT / ".bench" / "cpu_compare.json")
+    parser.add_argument("--json", type=Path, default=BENCH_DIR / "cpu_compare.json")
     return parser.parse_args(argv)
 
 

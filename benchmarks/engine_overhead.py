@@ -25,7 +25,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import FIRST_PLAIN_TOKEN_ID, ensure_qwen3_shape_checkpoint, format_table, log  # noqa: E402
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 MODEL_PHASES = ("forward", "logits", "sample")  # the model's own work; the rest is engine overhead
 
 
@@ -53,12 +52,12 @@ class PhaseTimer:
 
 
 def instrument(engine: Any, timer: PhaseTimer) -> None:
-    runner = engine.runner
+    runner = engine.executor.driver_worker.model_runner
     timer.wrap(engine.scheduler, "schedule", "schedule")
     timer.wrap(engine.scheduler, "update_from_output", "scheduler update")
     timer.wrap(engine.output_processor, "detokenize", "detokenize")
     timer.wrap(engine.output_processor, "make_outputs", "make outputs")
-    timer.wrap(runner, "_plan_step", "plan step")
+    timer.wrap(runner, "prepare_step", "plan step")
     timer.wrap(runner, "_step_tensors", "step tensors")
     timer.wrap(runner.attn_backend, "prepare", "attention metadata")
     timer.wrap(runner.model, "forward", "forward")
@@ -119,7 +118,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         if key == "stories":
             model, dtype = None, "float32"
         else:
-            model, dtype = str(ensure_qwen3_shape_checkpoint(REPO_ROOT / ".bench" / "qwen3-0.6b-shape")), "bfloat16"
+            model, dtype = str(ensure_qwen3_shape_checkpoint()), "bfloat16"
         log(f"{key}: {args.batch} requests, {args.steps} decode steps")
         result = measure(model, dtype, args.batch, args.steps, args.quantization)
         rows += rows_for(f"{key} ({dtype}, {result['num_steps']} steps)", result)

@@ -4,7 +4,7 @@ and the w8a16 Triton kernel itself, on the linear layers of a Qwen3-0.6B-shaped 
 (q/k/v, o, gate/up, down) at M = 1, 16, 256 and 4096 rows. Each time is the median CUDA-graph replay of many calls
 rotating over enough weight copies that L2 stays cold. The decode rows add one model's layer times (x layers) at
 M = 1 and 16: the GEMM part of a decode step. ``--engine-decode`` also times the engine's decode step on the
-Qwen3 shape in bf16 and with ``quantization="fp8"`` (gpu_check's ``decode_step``).
+Qwen3 shape in bf16 and with ``quantization="fp8"`` (gpu_models' ``decode_step``).
 
     python benchmarks/gpu_quant.py                  # one GPU
     python benchmarks/gpu_quant.py --smoke          # tiny shapes; on CPU through Triton's interpreter (the logic only)
@@ -40,6 +40,7 @@ from gpu_common import (  # noqa: E402
     Shape,
     time_call,
 )
+from gpu_models import decode_step  # noqa: E402
 
 ROWS, SMOKE_ROWS = (1, 16, 256, 4096), (1, 3, 20)
 NUM_LAYERS = {"qwen3": 28, "llama8b": 32}  # decoder layers of each shape (smoke: 2)
@@ -189,7 +190,6 @@ def run_quant(args, budget: Budget, result: dict) -> None:
 def engine_decode(args) -> dict:
     """The engine's decode step on the Qwen3-0.6B shape, bf16 against online FP8 (random weights)."""
     from common import QWEN3_SHAPE, ensure_qwen3_shape_checkpoint
-    from gpu_check import decode_step  # gpu_check imports this module: not at the top
     from pagoda import LLM
 
     path = ensure_qwen3_shape_checkpoint(Path(args.work_dir) / "qwen3-0.6b-shape")

@@ -35,6 +35,7 @@ import torch
 
 from common import log  # noqa: E402 (the benchmarks folder is not a package)
 from gpu_common import Budget  # noqa: E402
+from gpu_models import LLAMA8B_SHAPE, TINY_LLAMA_SHAPE, E2ESpec, build_model, decode_step  # noqa: E402
 
 MAX_NUM_SEQS = 32  # 7 CUDA graph sizes (1, 2, 4, 8, 16, 24, 32) instead of 35: captures stay short
 TIMEOUT_S = 60.0  # distributed_timeout_seconds (the engine's default)
@@ -57,7 +58,6 @@ class TPModel:
 
 def tp_models(smoke: bool) -> dict[str, TPModel]:
     from common import QWEN3_SHAPE
-    from gpu_check import LLAMA8B_SHAPE, TINY_LLAMA_SHAPE
 
     if smoke:
         llama = TINY_LLAMA_SHAPE | {"vocab_size": 515}
@@ -129,8 +129,6 @@ def run_sizes(smoke: bool, work_dir: Path, seconds: float, sizes: list[int], dev
 
 
 def _build(model: TPModel, device: str, work_dir: Path) -> Path:
-    from gpu_check import E2ESpec, build_model
-
     log(f"[tp] building the {model.kind} checkpoint ({model.label})")
     spec = E2ESpec(f"tp-{model.kind}", model.label, model.family, model.shape, model.dtype, 0, 0, False)
     path, hf_model = build_model(spec, torch.device(device, 0) if device == "cuda" else torch.device(device), work_dir)
@@ -246,12 +244,13 @@ def _exit_with_parent() -> None:
 
 
 def _replays(llm) -> int:
-    graphs = llm.engine.runner.cuda_graphs
+    graphs = llm.engine.executor.driver_worker.model_runner.cuda_graphs
     return sum(graphs.num_replays.values()) if graphs is not None else 0
 
 
 def _engine_facts(llm, load_s: float) -> dict:
-    runner, graphs = llm.engine.runner, llm.engine.runner.cuda_graphs
+    runner = llm.engine.executor.driver_worker.model_runner
+    graphs = runner.cuda_graphs
     facts = {"load_s": load_s, "backend": type(runner.attn_backend).__name__, "cuda_graphs": graphs is not None}
     return facts | {
         "graph_sizes": len(graphs.sizes) if graphs is not None else 0,
@@ -273,8 +272,6 @@ def _greedy(llm, prompts: list[list[int]], new_tokens: int) -> dict:
 
 
 def _decode(llm, batch: int, spec: dict) -> dict:
-    from gpu_check import decode_step
-
     before = _replays(llm)
     d = decode_step(llm, batch, spec["decode_context"], spec["decode_steps"], spec["vocab"], None)
     result = {"batch": batch, "context": spec["decode_context"], "steps_timed": d["steps_timed"]}
@@ -296,7 +293,7 @@ def _prefill(llm, spec: dict) -> dict:
 
 
 def _memory(llm, spec: dict) -> dict:
-    runner = llm.engine.runner
+    runner = llm.engine.executor.driver_worker.model_runner
     tensors = {id(t): t for t in itertools.chain(runner.model.parameters(), runner.model.buffers())}
     memory = {"rank0_weight_bytes": sum(t.numel() * t.element_size() for t in tensors.values())}
     memory["kv_bytes_per_rank"] = llm.engine.get_stats().num_blocks * runner.kv_shape.bytes_per_block

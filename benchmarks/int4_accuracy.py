@@ -1,6 +1,6 @@
 """How far int4 weight-only checkpoints (AWQ, GPTQ) move stories260K from its float32 model.
 
-The built-in stories260K checkpoint (float32) is converted by ``pagoda.quantization.writers`` into an AWQ and a
+The built-in stories260K checkpoint (float32) is converted by ``pagoda.testing.quant_writers`` into an AWQ and a
 GPTQ checkpoint, 4 bits, group size 32 by default: the model is 64 wide, so 128 (the usual size) is not possible
 and 32 keeps two groups per row of the 64-wide layers, the nearest this model gets to group 128 of a 1024-wide
 one. Its MLP is 172 wide, which int4 can neither pack (8 values per int32) nor group (by 32), so the writer
@@ -161,7 +161,7 @@ def write_dequantized(quantized: Path, out: Path) -> Path:
 
 def write_checkpoint(src: Path, method: str, group_size: int, into: Path) -> Path:
     """``src`` quantized to int4 by ``method`` (awq | gptq), written under ``into``."""
-    from pagoda.quantization.writers import write_quantized_checkpoint
+    from pagoda.testing.quant_writers import write_quantized_checkpoint
 
     out = into / f"stories260K-{method}-int4-g{group_size}"
     write_quantized_checkpoint(src, out, method, bits=4, group_size=group_size)

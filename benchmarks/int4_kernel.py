@@ -27,15 +27,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import QWEN3_SHAPE, format_table  # noqa: E402
 from cpu_facts import host_facts  # noqa: E402
-from pagoda.layers.int4_cpu import Int4CpuLinear, int4_native_available  # noqa: E402
-from pagoda.layers.linear_kernels import (  # noqa: E402
+from pagoda.layers.cpu_linear import (  # noqa: E402
     NATIVE_BF16,
     NATIVE_INT8,
-    Int8WeightOnlyLinear,
     NativeBf16Linear,
     NativeGatedBf16Linear,
     native_linear_support,
 )
+from pagoda.layers.int4_cpu import Int4CpuLinear, int4_native_available  # noqa: E402
+from pagoda.layers.int8_cpu import Int8WeightOnlyLinear  # noqa: E402
 from pagoda.quantization.weights import IntWeight  # noqa: E402
 
 Layer = dict[str, Callable[[torch.Tensor], torch.Tensor]]

@@ -17,10 +17,11 @@ import json
 import torch
 
 from pagoda import LLM, SamplingParams
+from pagoda.attention.protocol import build_metadata
+from pagoda.attention.torch_backend import TorchAttentionBackend
 from pagoda.config import builtin_model_path
 from pagoda.layers.linear_kernels import prepare_linear_layers
 from pagoda.loader import load_model
-from pagoda.worker.attention import TorchAttentionBackend, build_metadata
 
 PROMPTS = [
     f"{start}{tail}"

@@ -30,6 +30,7 @@ from safetensors.torch import save_file
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (  # noqa: E402
+    BENCH_DIR,
     FIRST_PLAIN_TOKEN_ID,
     QWEN3_SHAPE,
     ensure_qwen3_shape_checkpoint,
@@ -38,7 +39,6 @@ from common import (  # noqa: E402
     machine_facts,
 )
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 PROJECTIONS = {"self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"), "mlp": ("gate_proj", "up_proj", "down_proj")}
 
 
@@ -105,8 +105,8 @@ def run(args: argparse.Namespace) -> dict:
     from pagoda.engine.llm_engine import LLMEngine
     from pagoda.lora.sources import LoRAModule
 
-    model_dir = ensure_qwen3_shape_checkpoint(REPO_ROOT / ".bench" / "qwen3-0.6b-shape")
-    folders = [write_adapter(REPO_ROOT / ".bench" / f"lora-r{args.rank}-{i}", args.rank, i) for i in range(4)]
+    model_dir = ensure_qwen3_shape_checkpoint()
+    folders = [write_adapter(BENCH_DIR / f"lora-r{args.rank}-{i}", args.rank, i) for i in range(4)]
     common = dict(model=str(model_dir), max_model_len=512, max_num_seqs=args.batch, kv_cache_memory="1GiB")
     results: dict[str, list[float]] = {"base": [], "lora-on, base requests": [], "4 adapters": []}
     log("loading the engine without LoRA")

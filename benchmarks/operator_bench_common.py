@@ -11,6 +11,7 @@ the controller-manager use the admin credential (``system:masters``, the ``exemp
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import os
@@ -29,22 +30,13 @@ from typing import Any, Optional
 import aiohttp
 import yaml
 
-from pagoda_operator.builders import (
-    Owner,
-    build_deployment,
-    build_hpa,
-    build_lora_config_map,
-    build_pdb,
-    build_service,
-)
+from pagoda_operator.builders import Owner, build_children
 from pagoda_operator.spec import InvalidSpec, parse_spec
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests" / "operator"))
 
-from control_plane import CLUSTER_SCRIPT, Cluster, cluster_with_crd  # noqa: E402  (tests/operator/)
-
-from cluster_tools import tool  # noqa: E402  (e2e/, put on sys.path by control_plane)
+from control_plane import CLUSTER_SCRIPT, Cluster, cluster_with_crd, helm_template  # noqa: E402  (tests/operator/)
 
 _START = time.monotonic()
 GROUP_VERSION = "pagoda.dev/v1alpha1"
@@ -68,6 +60,28 @@ BUCKETS: list[tuple[str, dict[str, Any]]] = [
 def exit_on_sigterm() -> None:
     """Turn SIGTERM into SystemExit, so the operator and the control plane are stopped on the way out."""
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+
+
+def bench_parser(description: str, name: str, timeout: float, smoke: str) -> argparse.ArgumentParser:
+    """The options every operator benchmark takes: the operator's reconcile interval, how long convergence may take
+    (``timeout`` s by default), the settling wait and the quiet window after it, the work folder
+    (``.bench/NAME``) and ``--smoke`` (``smoke``: what it shrinks, see ``parse_bench_args``)."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--reconcile-interval", type=float, default=30, help="PAGODA_RECONCILE_INTERVAL")
+    parser.add_argument("--timeout", type=float, default=timeout, help="seconds allowed for each convergence")
+    parser.add_argument("--settle-seconds", type=float, default=20, help="wait after convergence, before the window")
+    parser.add_argument("--quiet-seconds", type=float, default=60, help="steady-state window after convergence")
+    parser.add_argument("--workdir", type=Path, default=Path(".bench") / name)
+    parser.add_argument("--smoke", action="store_true", help=smoke)
+    return parser
+
+
+def parse_bench_args(parser: argparse.ArgumentParser, smoke: dict[str, Any]) -> argparse.Namespace:
+    """The command line; with ``--smoke``, the values of ``smoke`` (option dest -> value) replace the given ones."""
+    args = parser.parse_args()
+    if args.smoke:
+        vars(args).update(smoke)
+    return args
 
 
 def log(message: str) -> None:
@@ -184,13 +198,8 @@ class Bench:
 
 
 def _chart_rbac() -> list[dict[str, Any]]:
-    env = {**os.environ, "HELM_CACHE_HOME": "/tmp/helm-cache", "HELM_CONFIG_HOME": "/tmp/helm-config"}
-    command = [tool("helm"), "template", RELEASE, str(REPO / "charts" / "pagoda"), "--namespace", OPERATOR_NS]
-    out = subprocess.run([*command, "--set", "operator.replicas=2"], capture_output=True, text=True, env=env)
-    if out.returncode != 0:
-        raise RuntimeError(out.stderr)
     kinds = {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding"}
-    return [d for d in yaml.safe_load_all(out.stdout) if d and d["kind"] in kinds]
+    return [d for d in helm_template(RELEASE, OPERATOR_NS, "operator.replicas=2") if d["kind"] in kinds]
 
 
 def _flow_schemas(account: str) -> list[dict[str, Any]]:
@@ -221,14 +230,8 @@ def bench_cluster(directory: Path, namespace: str) -> Iterator[Bench]:
         (account,) = [o["metadata"]["name"] for o in objects if o["kind"] == "ServiceAccount"]
         objects += _flow_schemas(account)
         cluster.kubectl("apply", "-f", "-", stdin=json.dumps({"apiVersion": "v1", "kind": "List", "items": objects}))
-        token = cluster.kubectl("create", "token", account, "-n", OPERATOR_NS, "--duration=6h").stdout.strip()
-        admin = yaml.safe_load(Path(cluster.kubeconfig).read_text())
-        context = {"name": "operator", "context": {"cluster": admin["clusters"][0]["name"], "user": account}}
-        config = {"apiVersion": "v1", "kind": "Config", "clusters": admin["clusters"], "current-context": "operator"}
-        config |= {"users": [{"name": account, "user": {"token": token}}], "contexts": [context]}
-        path = directory / "operator-kubeconfig"
-        path.write_text(yaml.safe_dump(config))
-        yield Bench(cluster, str(path), account)
+        kubeconfig = cluster.token_kubeconfig(account, OPERATOR_NS, directory / "operator-kubeconfig", "6h")
+        yield Bench(cluster, kubeconfig, account)
 
 
 _SAMPLE = re.compile(r"^(\w+)\{([^}]*)\} ([0-9.e+-]+)$")
@@ -357,14 +360,8 @@ EVERY_CHILD = {
 def desired_children(body: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """kind -> manifest, as the operator's pure builders make them for this body (InvalidSpec if invalid)."""
     spec, owner = parse_spec(body), Owner.from_body(body)
-    built = [
-        build_lora_config_map(spec, owner),
-        build_deployment(spec, owner, include_replicas=not spec.autoscaling.enabled),
-        build_service(spec, owner),
-        build_hpa(spec, owner),
-        build_pdb(spec, owner),
-    ]
-    return {m["kind"]: m for m in built if m is not None}
+    built = build_children(spec, owner, include_replicas=not spec.autoscaling.enabled)
+    return {kind: manifest for kind, manifest in built.items() if manifest is not None}
 
 
 @dataclass(frozen=True)
@@ -486,3 +483,42 @@ def check(state: Snapshot) -> list[str]:
                     f"orphan {kind} {obj['metadata']['name']}: ModelDeployment {owner!r} is gone (ownerRefs {refs})"
                 )
     return problems
+
+
+class Converger:
+    """Polls ``namespace`` until ``check`` finds nothing; remembers the operator's peak RSS meanwhile, and the
+    problems and object counts of the last look."""
+
+    def __init__(self, api: Api, kinds: list[Kind], operator: Operator, namespace: str) -> None:
+        self.api, self.kinds, self.operator, self.namespace = api, kinds, operator, namespace
+        self.peak_rss, self.problems = 0.0, ["not checked yet"]
+        self.counts: dict[str, int] = {}
+
+    async def converged(self) -> bool:
+        if self.operator.alive():
+            self.peak_rss = max(self.peak_rss, self.operator.rss_mib())
+        state = await snapshot(self.api, self.kinds, self.namespace)
+        self.problems = check(state)
+        self.counts = {k: len(v) for k, v in state.children.items()} | {"ModelDeployment": len(state.mds)}
+        return not self.problems
+
+    async def wait(self, what: str, timeout: float) -> float:
+        """Seconds until converged; NaN (and the problems logged) after ``timeout``."""
+        try:
+            say = lambda: f"{len(self.problems)} problems, e.g. {self.problems[0]}"
+            return await wait_until(what, self.converged, timeout, period=2.0, say=say)
+        except TimeoutError:
+            log(f"{what}: not converged after {timeout:.0f} s; {len(self.problems)} problems, e.g. {self.problems[:3]}")
+            return float("nan")
+
+
+async def steady_state(api: Api, operator: Operator, seconds: float) -> dict[str, float]:
+    """The operator's requests per minute over a quiet window, its CPU share and RSS at the end."""
+    before, cpu = counters(await api.metrics()), operator.cpu_seconds()
+    start = time.monotonic()
+    await asyncio.sleep(seconds)
+    after, elapsed = counters(await api.metrics()), time.monotonic() - start
+    rates = per_minute(before, after, elapsed)
+    rates["cpu %"] = 100 * (operator.cpu_seconds() - cpu) / elapsed
+    rates["rss MiB"] = operator.rss_mib()
+    return rates

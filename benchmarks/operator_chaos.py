@@ -36,19 +36,18 @@ from operator_bench_common import (
     Api,
     ApiError,
     Bench,
+    Converger,
     Operator,
     bench_cluster,
-    check,
+    bench_parser,
     child_kinds,
-    counters,
     exit_on_sigterm,
     host_facts,
     log,
     md_path,
-    per_minute,
-    snapshot,
+    parse_bench_args,
+    steady_state,
     table,
-    wait_until,
 )
 
 NS = "pagoda-chaos"
@@ -226,28 +225,15 @@ async def run(bench: Bench, args: argparse.Namespace, work: Path) -> dict[str, A
             out["churn s"] = time.monotonic() - start
             out["ops"] = dict(sorted(driver.ops.items()))
             log(f"churn stopped after {out['churn s']:.0f} s: {json.dumps(out['ops'])}")
-            problems: list[str] = ["not checked yet"]
-
-            async def converged() -> bool:
-                nonlocal problems
-                state = await snapshot(api, kinds, NS)
-                problems = check(state)
-                out["final"] = {k: len(v) for k, v in state.children.items()} | {"ModelDeployment": len(state.mds)}
-                return not problems
-
-            try:
-                say = lambda: f"{len(problems)} problems, e.g. {problems[0]}"
-                out["converge s"] = await wait_until("convergence", converged, args.timeout, 2.0, say)
-            except TimeoutError:
-                out["converge s"] = float("nan")
-            out["violations"] = problems
-            log(f"{len(problems)} violations; {args.settle_seconds:g} s to settle, then {args.quiet_seconds:g} s quiet")
+            converger = Converger(api, kinds, operator, NS)
+            out["converge s"] = await converger.wait("convergence", args.timeout)
+            out["final"], out["violations"] = converger.counts, converger.problems
+            problems = len(converger.problems)
+            log(f"{problems} violations; {args.settle_seconds:g} s to settle, then {args.quiet_seconds:g} s quiet")
             await asyncio.sleep(args.settle_seconds)  # the controller-manager finishes the last rollouts
-            before, t0 = counters(await api.metrics()), time.monotonic()
-            await asyncio.sleep(args.quiet_seconds)
-            out["quiet"] = per_minute(before, counters(await api.metrics()), time.monotonic() - t0)
-            await converged()
-            out["violations after quiet"] = problems
+            out["quiet"] = await steady_state(api, operator, args.quiet_seconds)
+            await converger.converged()
+            out["violations after quiet"] = converger.problems
         finally:
             stop.set()
             operator.stop()
@@ -288,23 +274,15 @@ def _spread(values: list[float]) -> str:
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    smoke = "5 kills, 10 live, 5 s settling, 10 s quiet window"
+    parser = bench_parser(__doc__, "operator_chaos", timeout=120, smoke=smoke)
     parser.add_argument("--kills", type=int, default=50, help="SIGKILLs of the operator")
     parser.add_argument("--live", type=int, default=30, help="ModelDeployments kept alive by the driver")
     parser.add_argument("--rate", type=float, default=3.0, help="driver operations per second (Poisson)")
     parser.add_argument("--min-uptime", type=float, default=1.0, help="shortest operator life before a kill (s)")
     parser.add_argument("--max-uptime", type=float, default=8.0, help="longest operator life before a kill (s)")
-    parser.add_argument("--reconcile-interval", type=float, default=30, help="PAGODA_RECONCILE_INTERVAL")
-    parser.add_argument("--timeout", type=float, default=120, help="seconds allowed to converge after the churn")
-    parser.add_argument("--settle-seconds", type=float, default=20, help="wait after convergence, before the window")
-    parser.add_argument("--quiet-seconds", type=float, default=60, help="window after convergence")
     parser.add_argument("--seed", type=int, default=22)
-    parser.add_argument("--workdir", type=Path, default=Path(".bench/operator_chaos"))
-    parser.add_argument("--smoke", action="store_true", help="5 kills, 10 live, 5 s settling, 10 s quiet window")
-    args = parser.parse_args()
-    if args.smoke:
-        args.kills, args.live, args.settle_seconds, args.quiet_seconds = 5, 10, 5, 10
-    return args
+    return parse_bench_args(parser, {"kills": 5, "live": 10, "settle_seconds": 5, "quiet_seconds": 10})
 
 
 def main() -> None:

@@ -27,10 +27,10 @@ from operator_bench_common import (
     RELEASE,
     Api,
     Bench,
-    Kind,
+    Converger,
     Operator,
     bench_cluster,
-    check,
+    bench_parser,
     child_kinds,
     collection,
     counters,
@@ -38,8 +38,8 @@ from operator_bench_common import (
     host_facts,
     log,
     md_path,
-    per_minute,
-    snapshot,
+    parse_bench_args,
+    steady_state,
     table,
     wait_until,
 )
@@ -99,31 +99,6 @@ async def create_unrelated(api: Api, count: int, concurrency: int) -> float:
     return time.monotonic() - start
 
 
-class Converger:
-    """Polls the namespace until ``check`` finds nothing; remembers the operator's peak RSS meanwhile."""
-
-    def __init__(self, api: Api, kinds: list[Kind], operator: Operator) -> None:
-        self.api, self.kinds, self.operator = api, kinds, operator
-        self.peak_rss, self.problems = 0.0, ["not checked yet"]
-        self.counts: dict[str, int] = {}
-
-    async def converged(self) -> bool:
-        if self.operator.alive():
-            self.peak_rss = max(self.peak_rss, self.operator.rss_mib())
-        state = await snapshot(self.api, self.kinds, NS)
-        self.problems = check(state)
-        self.counts = {k: len(v) for k, v in state.children.items()} | {"ModelDeployment": len(state.mds)}
-        return not self.problems
-
-    async def wait(self, what: str, timeout: float) -> float:
-        try:
-            say = lambda: f"{len(self.problems)} problems, e.g. {self.problems[0]}"
-            return await wait_until(what, self.converged, timeout, period=2.0, say=say)
-        except TimeoutError:
-            log(f"{what}: not converged after {timeout:.0f} s; {len(self.problems)} problems, e.g. {self.problems[:3]}")
-            return float("nan")
-
-
 def handled(text: str) -> int:
     """How many ModelDeployments kopf has handled (``Resuming is processed``, or ``Updating ...`` for one whose
     last change the previous process had not finished)."""
@@ -140,18 +115,6 @@ async def deployments_settled(api: Api, namespace: str) -> bool:
         if status.get("replicas", 0) != wanted or status.get("updatedReplicas", 0) != wanted:
             return False
     return True
-
-
-async def steady_state(api: Api, operator: Operator, seconds: float) -> dict[str, float]:
-    """The operator's requests per minute over a quiet window, its CPU share and RSS at the end."""
-    before, cpu = counters(await api.metrics()), operator.cpu_seconds()
-    start = time.monotonic()
-    await asyncio.sleep(seconds)
-    after, elapsed = counters(await api.metrics()), time.monotonic() - start
-    rates = per_minute(before, after, elapsed)
-    rates["cpu %"] = 100 * (operator.cpu_seconds() - cpu) / elapsed
-    rates["rss MiB"] = operator.rss_mib()
-    return rates
 
 
 def requests_summary(before: dict[str, float], after: dict[str, float]) -> str:
@@ -185,7 +148,7 @@ async def scenario(bench: Bench, args: argparse.Namespace, unrelated: int, work:
             await wait_until("the operator to hold the Lease", leading, 60)
             await asyncio.sleep(5)
             out["rss idle MiB"] = operator.rss_mib()
-            converger = Converger(api, kinds, operator)
+            converger = Converger(api, kinds, operator, NS)
             log(f"creating {args.count} ModelDeployments at once (concurrency {args.concurrency})")
             before, start = counters(await api.metrics()), time.monotonic()
             await bounded(args.concurrency, [api.call("POST", md_path(NS), md_body(i)) for i in range(args.count)])
@@ -285,23 +248,12 @@ def render(results: list[dict[str, Any]], args: argparse.Namespace, rbac: str) -
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = bench_parser(__doc__, "operator_scale", timeout=900, smoke="N=10, 50 unrelated, 15 s windows")
     parser.add_argument("--count", type=int, default=200, help="ModelDeployments created at once")
     parser.add_argument("--unrelated", type=int, default=1000, help="unrelated Deployments of the second run (0: skip)")
-    parser.add_argument("--quiet-seconds", type=float, default=60, help="steady-state window")
-    parser.add_argument("--reconcile-interval", type=float, default=30, help="PAGODA_RECONCILE_INTERVAL")
-    parser.add_argument(
-        "--settle-seconds", type=float, default=20, help="wait after the cluster settled, before the window"
-    )
     parser.add_argument("--concurrency", type=int, default=16, help="parallel API calls of the benchmark")
-    parser.add_argument("--timeout", type=float, default=900, help="seconds allowed for each convergence")
     parser.add_argument("--only-unrelated", action="store_true", help="run only the scenario with unrelated objects")
-    parser.add_argument("--workdir", type=Path, default=Path(".bench/operator_scale"))
-    parser.add_argument("--smoke", action="store_true", help="N=10, 50 unrelated, 15 s windows")
-    args = parser.parse_args()
-    if args.smoke:
-        args.count, args.unrelated, args.quiet_seconds, args.settle_seconds = 10, 50, 15, 5
-    return args
+    return parse_bench_args(parser, {"count": 10, "unrelated": 50, "quiet_seconds": 15, "settle_seconds": 5})
 
 
 def main() -> None:

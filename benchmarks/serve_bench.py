@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional
@@ -328,18 +329,12 @@ def table_rows(key: str, result: dict) -> list[tuple[str, ...]]:
     return rows
 
 
-def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", default="stories,qwen3", help="comma-separated: stories, qwen3")
-    parser.add_argument("--base-url", help="an already running server on loopback, e.g. http://127.0.0.1:8000")
-    parser.add_argument("--num-requests", type=int, help="requests per load scenario (default: per model)")
-    parser.add_argument("--output-len", type=int, help="output tokens per request (default: 64 stories, 16 qwen3)")
-    parser.add_argument("--concurrency", default="1,8,32", help="closed-loop concurrencies, comma-separated")
-    parser.add_argument("--request-rate", type=float, help="Poisson req/s (default: per model); 0 skips it")
-    parser.add_argument("--prefix-requests", type=int, help="requests of the prefix workload (default: per model)")
-    parser.add_argument("--skip-prefix", action="store_true", help="skip the prefix-sharing workload")
-    parser.add_argument("--seed", type=int, default=0, help="workload seed")
-    parser.add_argument("--bench-dir", type=Path, default=REPO_ROOT / ".bench", help="checkpoint, logs and JSON")
+def server_parser(description: str, models: str, bench_dir_help: str) -> argparse.ArgumentParser:
+    """A parser with the options of every benchmark that serves the models itself: ``--models`` (default
+    ``models``), ``--bench-dir``, ``--serve-arg`` and ``--engine-src``; the caller adds its own."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default=models, help="comma-separated: stories, qwen3")
+    parser.add_argument("--bench-dir", type=Path, default=REPO_ROOT / ".bench", help=bench_dir_help)
     parser.add_argument(
         "--serve-arg", action="append", default=[], help="an extra `pagoda serve` flag (repeatable; '=' form)"
     )
@@ -348,27 +343,54 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         type=Path,
         help="engine/src of another checkout to serve (default: this one's), for before/after",
     )
+    return parser
+
+
+def parse_server_args(
+    parser: argparse.ArgumentParser,
+    argv: Optional[list[str]],
+    check: Callable[[argparse.Namespace], None] = lambda args: None,
+) -> argparse.Namespace:
+    """``argv`` parsed by a :func:`server_parser`: ``--models`` becomes a list of stories and/or qwen3, then
+    ``check`` looks at the rest. Every ValueError on the way is a usage error."""
     args = parser.parse_args(argv)
     try:
         args.models = [m.strip() for m in args.models.split(",") if m.strip()]
-        args.concurrency = [int(c) for c in args.concurrency.split(",") if c.strip()]
-        unknown = set(args.models) - {"stories", "qwen3"}
-        if unknown or not args.models:
+        if set(args.models) - {"stories", "qwen3"} or not args.models:
             raise ValueError(f"--models takes stories and/or qwen3; got {args.models}")
-        if any(c < 1 for c in args.concurrency):
-            raise ValueError("--concurrency values must be at least 1")
-        for name in ("num_requests", "output_len", "prefix_requests"):
-            if getattr(args, name) is not None and getattr(args, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
-        if args.request_rate is not None and args.request_rate < 0:
-            raise ValueError("--request-rate must be positive (0 skips the Poisson scenario)")
-        if args.base_url is not None:
-            args.base_url = check_base_url(args.base_url)
-            if len(args.models) != 1:
-                raise ValueError("with --base-url, --models names the one model that server runs (its workload)")
+        check(args)
     except ValueError as exc:
         parser.error(str(exc))
     return args
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    parser = server_parser(__doc__, "stories,qwen3", "checkpoint, logs and JSON")
+    parser.add_argument("--base-url", help="an already running server on loopback, e.g. http://127.0.0.1:8000")
+    parser.add_argument("--num-requests", type=int, help="requests per load scenario (default: per model)")
+    parser.add_argument("--output-len", type=int, help="output tokens per request (default: 64 stories, 16 qwen3)")
+    parser.add_argument("--concurrency", default="1,8,32", help="closed-loop concurrencies, comma-separated")
+    parser.add_argument("--request-rate", type=float, help="Poisson req/s (default: per model); 0 skips it")
+    parser.add_argument("--prefix-requests", type=int, help="requests of the prefix workload (default: per model)")
+    parser.add_argument("--skip-prefix", action="store_true", help="skip the prefix-sharing workload")
+    parser.add_argument("--seed", type=int, default=0, help="workload seed")
+    return parse_server_args(parser, argv, _check_load_args)
+
+
+def _check_load_args(args: argparse.Namespace) -> None:
+    """ValueError for a load option out of range; ``--concurrency`` becomes a list of ints."""
+    args.concurrency = [int(c) for c in args.concurrency.split(",") if c.strip()]
+    if any(c < 1 for c in args.concurrency):
+        raise ValueError("--concurrency values must be at least 1")
+    for name in ("num_requests", "output_len", "prefix_requests"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+    if args.request_rate is not None and args.request_rate < 0:
+        raise ValueError("--request-rate must be positive (0 skips the Poisson scenario)")
+    if args.base_url is not None:
+        args.base_url = check_base_url(args.base_url)
+        if len(args.models) != 1:
+            raise ValueError("with --base-url, --models names the one model that server runs (its workload)")
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -27,7 +27,7 @@ import aiohttp
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import ensure_qwen3_shape_checkpoint, format_table, log, machine_facts, percentile  # noqa: E402
-from serve_bench import REPO_ROOT, model_specs, start_server  # noqa: E402
+from serve_bench import REPO_ROOT, model_specs, parse_server_args, server_parser, start_server  # noqa: E402
 from serve_common import HTTP_TIMEOUT  # noqa: E402
 
 
@@ -172,26 +172,20 @@ async def bench_model(key: str, args: argparse.Namespace) -> list[Phase]:
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", default="stories", help="comma-separated: stories, qwen3")
-    parser.add_argument("--streams", type=int, default=8, help="concurrent streamed completions")
-    parser.add_argument("--output-len", type=int, default=200, help="tokens per stream")
-    parser.add_argument("--big-clients", type=int, default=2, help="clients sending big prompts meanwhile")
-    parser.add_argument("--big-prompt-bytes", type=int, default=1_000_000, help="size of each big prompt")
-    parser.add_argument(
+    parser = server_parser(__doc__, "stories", "checkpoint and logs")
+    streams = parser.add_argument_group("the measured streams")
+    streams.add_argument("--streams", type=int, default=8, help="concurrent streamed completions")
+    streams.add_argument("--output-len", type=int, default=200, help="tokens per stream")
+    big = parser.add_argument_group("the clients sending big prompts meanwhile")
+    big.add_argument("--big-clients", type=int, default=2, help="how many")
+    big.add_argument("--big-prompt-bytes", type=int, default=1_000_000, help="size of each big prompt")
+    big.add_argument(
         "--big-chat-messages", type=int, default=0, help="send chats of this many messages instead (0: prompts)"
     )
-    parser.add_argument(
+    big.add_argument(
         "--big-interval", type=float, default=0.0, help="seconds between one client's big prompts (0: back to back)"
     )
-    parser.add_argument("--serve-arg", action="append", default=[], help="an extra `pagoda serve` flag ('=' form)")
-    parser.add_argument("--engine-src", type=Path, help="engine/src of another checkout to serve (before/after)")
-    parser.add_argument("--bench-dir", type=Path, default=REPO_ROOT / ".bench", help="checkpoint and logs")
-    args = parser.parse_args(argv)
-    args.models = [m.strip() for m in args.models.split(",") if m.strip()]
-    if set(args.models) - {"stories", "qwen3"} or not args.models:
-        parser.error(f"--models takes stories and/or qwen3; got {args.models}")
-    return args
+    return parse_server_args(parser, argv)
 
 
 def main(argv: Optional[list[str]] = None) -> int:

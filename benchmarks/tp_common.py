@@ -94,8 +94,8 @@ class _Probe:
         self.last_plan: Any = None
 
     def install(self) -> None:
-        from pagoda.distributed.executor import WorkerGroup
         from pagoda.distributed.parallel import TensorParallel
+        from pagoda.executor.worker_group import WorkerGroup
 
         for cls, name in (
             (TensorParallel, "all_reduce"),
@@ -145,33 +145,34 @@ def _serve_host(conn: Connection, settings: dict) -> None:
         probe.install()
     before = proc_memory()
     llm = LLM(model=settings["model"], tensor_parallel_size=tp, **settings["engine"])
-    engine, runner = llm.engine, llm.engine.runner
+    engine, runner = llm.engine, llm.engine.executor.driver_worker.model_runner
+    workers = getattr(engine.executor, "workers", None)  # the worker processes of ranks 1..N-1
     try:
         info = {
             "threads": torch.get_num_threads(),
-            "worker_threads": runner.workers.spec.num_threads if runner.workers else None,
+            "worker_threads": workers.spec.num_threads if workers else None,
             "kernels": dict(runner.linear_kernels),
             "weights": weight_bytes(runner.model),
             "kv_bytes": sum(c.numel() * c.element_size() for c in runner.kv_caches),
             "rank0_before_load": before,
         }
-        conn.send(("ready", info | {"memory": _memory(runner)}))
+        conn.send(("ready", info | {"memory": _memory(workers)}))
         runs = _Runs(engine, probe, settings)
         while True:
             command = conn.recv()
             if command[0] == "stop":
                 break
             if command[0] == "memory":
-                conn.send(("ok", _memory(runner)))
+                conn.send(("ok", _memory(workers)))
             else:
                 conn.send(("ok", runs.run(*command[1:])))
     finally:
         engine.shutdown()
 
 
-def _memory(runner) -> dict[str, dict[str, int]]:
+def _memory(workers) -> dict[str, dict[str, int]]:
     out = {"rank 0": proc_memory()}
-    for rank, process in enumerate(runner.workers.processes if runner.workers else [], start=1):
+    for rank, process in enumerate(workers.processes if workers else [], start=1):
         out[f"rank {rank}"] = proc_memory(process.pid)
     return out
 

@@ -40,6 +40,7 @@ from typing import Optional
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (  # noqa: E402
+    BENCH_DIR,
     FIRST_PLAIN_TOKEN_ID,
     ensure_qwen3_shape_checkpoint,
     format_table,
@@ -49,7 +50,6 @@ from common import (  # noqa: E402
 from pagoda.distributed.shm_comm import segment_path  # noqa: E402
 from tp_common import comm_peer, cpu_flags, engine_host, ensure_quick_checkpoint  # noqa: E402
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 SIZES = (1, 2)
 BLOCK = 16  # the engine's default block size
 
@@ -63,7 +63,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=32, help="the larger decode batch")
     parser.add_argument("--cpus", type=int, default=2, help="CPUs for every process of the run (0: all)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", type=Path, default=REPO_ROOT / ".bench" / "tp_compare.json")
+    parser.add_argument("--json", type=Path, default=BENCH_DIR / "tp_compare.json")
     args = parser.parse_args(argv)
     args.repeats = args.repeats or (2 if args.quick else 3)
     args.new_tokens = args.new_tokens or (16 if args.quick else 64)
@@ -204,9 +204,9 @@ def main(argv: Optional[list[str]] = None) -> None:
         os.sched_setaffinity(0, allowed[: args.cpus])  # every process of the run inherits it
     cpus = len(os.sched_getaffinity(0))
     if args.quick:
-        model_dir = ensure_quick_checkpoint(REPO_ROOT / ".bench" / "qwen3-tiny-tp")
+        model_dir = ensure_quick_checkpoint(BENCH_DIR / "qwen3-tiny-tp")
     else:
-        model_dir = ensure_qwen3_shape_checkpoint(REPO_ROOT / ".bench" / "qwen3-0.6b-shape")
+        model_dir = ensure_qwen3_shape_checkpoint()
     config = json.loads((model_dir / "config.json").read_text())
     facts = machine_facts()
     loads = workloads(args, config["vocab_size"])

@@ -90,10 +90,10 @@ def test_the_event_loop_keeps_running_while_the_engine_computes(engine):
 
 
 def test_an_engine_failure_reaches_every_waiting_caller(engine, monkeypatch):
-    def broken(plan):
+    def broken(plan, adapters):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(engine.engine.runner, "execute", broken)
+    monkeypatch.setattr(engine.engine.executor, "execute_model", broken)
 
     async def main():
         with pytest.raises(EngineDeadError, match="boom"):

@@ -13,12 +13,15 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from attention_helpers import random_paged_step
 
 from pagoda import LLM, SamplingParams
+from pagoda.attention.choice import resolve_attention_backend
+from pagoda.attention.protocol import AttentionLayerSpec, build_metadata
+from pagoda.attention.torch_backend import TorchAttentionBackend
+from pagoda.attention.triton_backend import TritonAttentionBackend
 from pagoda.cli import build_parser, engine_args_from
 from pagoda.config import EngineArgs, builtin_model_path
-from pagoda.worker.attention import AttentionLayerSpec, TorchAttentionBackend, build_metadata
-from pagoda.worker.attention_triton import TritonAttentionBackend, resolve_attention_backend
 from pagoda.worker.cuda_graphs import DecodeCudaGraphs, capture_sizes
 
 # Compiled kernels need CUDA tensors; without a GPU the interpreter runs them on CPU tensors.
@@ -29,21 +32,8 @@ NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 4, 2, 8
 
 def random_step(query_lens: list[int], seq_lens: list[int], seed: int = 0):
     """A step over shuffled, non-contiguous blocks of a random cache; returns (q, k, v, kv_cache, tables)."""
-    gen = torch.Generator().manual_seed(seed)
-    needed = [-(-s // BLOCK_SIZE) for s in seq_lens]
-    num_blocks = sum(needed) + 5  # spare blocks hold garbage no request may read
-    order = torch.randperm(num_blocks, generator=gen).tolist()
-    tables, used = [], 0
-    for n in needed:
-        tables.append(order[used : used + n])
-        used += n
-    num_tokens = sum(query_lens)
-    q = torch.randn(num_tokens, NUM_HEADS, HEAD_DIM, generator=gen)
-    k = torch.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM, generator=gen)
-    v = torch.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM, generator=gen)
-    # Random cache contents stand in for the cached prefixes written by earlier steps.
-    kv_cache = torch.randn(2, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, generator=gen)
-    return q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), kv_cache.to(DEVICE), tables
+    *tensors, tables = random_paged_step(query_lens, seq_lens, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, 5, seed)
+    return (*(t.to(DEVICE) for t in tensors), tables)
 
 
 def run_both(query_lens: list[int], seq_lens: list[int], sliding_window):
@@ -120,11 +110,11 @@ def test_engine_with_triton_attention_gives_the_torch_greedy_tokens(monkeypatch)
     expected, _ = run_engine("torch")
     tokens, llm = run_engine("triton")
     assert kinds == {"decode", "mixed", "prefill"}
-    assert llm.engine.runner.attn_backend.name == "triton"
+    assert llm.engine.executor.driver_worker.model_runner.attn_backend.name == "triton"
     assert tokens == expected
     stats = llm.engine.get_stats()
     assert stats.prefix_cache_hits > 0 and stats.num_chunked_prefill_steps > 0
-    assert llm.engine.runner.cuda_graphs is None  # graphs are for CUDA only
+    assert llm.engine.executor.driver_worker.model_runner.cuda_graphs is None  # graphs are for CUDA only
 
 
 class EagerReplayGraphs(DecodeCudaGraphs):
@@ -143,7 +133,7 @@ def test_decode_graph_buffers_give_the_eager_tokens_for_padded_batches():
     params = [SamplingParams(temperature=0.0, max_tokens=m) for m in (3, 5, 7, 9)]
     expected = [o.outputs[0].token_ids for o in LLM(max_model_len=64).generate(prompts, params, use_tqdm=False)]
     llm = LLM(attention_backend="triton", max_model_len=64, block_size=8)
-    runner = llm.engine.runner
+    runner = llm.engine.executor.driver_worker.model_runner
     runner.cuda_graphs = EagerReplayGraphs(runner.model, runner.kv_caches, max_num_seqs=4, max_model_len=64)
     runner.cuda_graphs.capture()
     tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
@@ -234,13 +224,13 @@ def test_cuda_graphs_eager_triton_and_torch_agree(tiny, arch, overrides):
     model_dir = tiny.get(arch, torch.float32, **overrides)
     prompts, max_tokens = tiny_prompts(6), [24] * 6
     graphs = cuda_llm(model_dir, max_num_seqs=16)
-    assert graphs.engine.runner.cuda_graphs is not None
+    assert graphs.engine.executor.driver_worker.model_runner.cuda_graphs is not None
     with_graphs = greedy_ids(graphs, prompts, max_tokens)
-    assert sum(graphs.engine.runner.cuda_graphs.num_replays.values()) > 0
+    assert sum(graphs.engine.executor.driver_worker.model_runner.cuda_graphs.num_replays.values()) > 0
     eager = cuda_llm(model_dir, max_num_seqs=16, enforce_eager=True)
-    assert eager.engine.runner.cuda_graphs is None
+    assert eager.engine.executor.driver_worker.model_runner.cuda_graphs is None
     torch_attn = cuda_llm(model_dir, max_num_seqs=16, attention_backend="torch")
-    assert torch_attn.engine.runner.cuda_graphs is None
+    assert torch_attn.engine.executor.driver_worker.model_runner.cuda_graphs is None
     assert with_graphs == greedy_ids(eager, prompts, max_tokens) == greedy_ids(torch_attn, prompts, max_tokens)
 
 
@@ -250,9 +240,9 @@ def test_graph_replay_pads_batches_between_captured_sizes(tiny):
     # Requests finish one after another, so decode batches shrink 5 -> 4 -> 3 -> 2 -> 1.
     prompts, max_tokens = tiny_prompts(5, seed=1), [6, 10, 14, 18, 22]
     graphs = cuda_llm(model_dir, max_num_seqs=16)
-    assert graphs.engine.runner.cuda_graphs.sizes == [1, 2, 4, 8, 16]
+    assert graphs.engine.executor.driver_worker.model_runner.cuda_graphs.sizes == [1, 2, 4, 8, 16]
     tokens = greedy_ids(graphs, prompts, max_tokens)
-    replays = graphs.engine.runner.cuda_graphs.num_replays
+    replays = graphs.engine.executor.driver_worker.model_runner.cuda_graphs.num_replays
     assert replays[8] > 0 and replays[4] > 0  # batches of 5 and 3 ran padded
     assert set(replays) <= {1, 2, 4, 8}
     eager = cuda_llm(model_dir, max_num_seqs=16, enforce_eager=True)

@@ -8,9 +8,10 @@ import torch
 from test_models import assert_tokens_are_hf_argmax, hf_model, random_prompt
 
 from pagoda import LLM, SamplingParams
+from pagoda.attention.choice import _prefill_call, choose_prefill_attention
+from pagoda.attention.protocol import AttentionLayerSpec
+from pagoda.attention.torch_backend import TorchAttentionBackend, native_attention_applies
 from pagoda.config import builtin_model_path
-from pagoda.worker.attention import AttentionLayerSpec, TorchAttentionBackend, native_attention_applies
-from pagoda.worker.attention_choice import _prefill_call, choose_prefill_attention
 
 SPEC = AttentionLayerSpec(num_heads=4, num_kv_heads=2, head_dim=64, scale=64**-0.5)
 NATIVE = native_attention_applies(torch.empty(1, 4, 64, dtype=torch.bfloat16), SPEC)
@@ -69,7 +70,7 @@ def test_an_engine_with_sdpa_prefill_gives_transformers_argmax_tokens(tiny, monk
     monkeypatch.setenv("PAGODA_CPU_KERNELS", "onednn")
     model_dir = tiny.get("qwen3", torch.bfloat16)
     llm = LLM(model=str(model_dir), tokenizer=str(builtin_model_path()), block_size=4, max_model_len=128)
-    assert llm.engine.runner.attn_backend.prefill_kernel == "sdpa"
+    assert llm.engine.executor.driver_worker.model_runner.attn_backend.prefill_kernel == "sdpa"
     reference = hf_model(model_dir, torch.bfloat16)
     prompts = [random_prompt(length, seed) for seed, length in enumerate((5, 19, 33))]
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)

@@ -32,7 +32,7 @@ def prompts_and_params() -> tuple[list[str], list[SamplingParams]]:
 
 def poison_logits(llm, monkeypatch) -> None:
     """Rows of the poisoned request get NaN logits, as a faulty device would produce."""
-    sampler = llm.engine.runner.sampler
+    sampler = llm.engine.executor.driver_worker.model_runner.sampler
 
     def faulty(logits, rows):
         logits = logits.clone()
@@ -41,7 +41,7 @@ def poison_logits(llm, monkeypatch) -> None:
                 logits[i, ::7] = float("nan")
         return sampler(logits, rows)
 
-    monkeypatch.setattr(llm.engine.runner, "sampler", faulty)
+    monkeypatch.setattr(llm.engine.executor.driver_worker.model_runner, "sampler", faulty)
 
 
 def test_non_finite_logits_fail_only_their_request(llm, monkeypatch) -> None:
@@ -143,10 +143,10 @@ def test_a_failed_engine_loop_calls_on_dead_once_after_failing_every_request(mon
     llm = LLM(max_model_len=256)
     deaths: list[BaseException] = []
 
-    def broken(plan):
+    def broken(plan, adapters):
         raise RuntimeError("device lost")
 
-    monkeypatch.setattr(llm.engine.runner, "execute", broken)
+    monkeypatch.setattr(llm.engine.executor, "execute_model", broken)
     engine = AsyncLLMEngine(llm.engine, on_dead=deaths.append)
 
     async def main():

@@ -13,12 +13,10 @@ from test_models import assert_tokens_are_hf_argmax, hf_model, random_prompt
 from pagoda import LLM, SamplingParams
 from pagoda.config import builtin_model_path
 from pagoda.cpu import cpu_features
-from pagoda.layers import kernel_selection as ks
-from pagoda.layers.linear_kernels import (
+from pagoda.cpu import kernel_selection as ks
+from pagoda.layers.cpu_linear import (
     NATIVE_BF16,
     NATIVE_INT8,
-    Int8OnednnLinear,
-    Int8WeightOnlyLinear,
     NativeBf16Linear,
     NativeGatedBf16Linear,
     PackedLinear,
@@ -26,6 +24,7 @@ from pagoda.layers.linear_kernels import (
     native_linear_support,
     onednn_packing_available,
 )
+from pagoda.layers.int8_cpu import Int8OnednnLinear, Int8WeightOnlyLinear
 
 BIG = ks.ShapeKey(1024, 4096, "linear", "bfloat16", "none")
 ROWS = BIG.rows()  # (1, 8, 32, 512)
@@ -251,7 +250,7 @@ def test_engine_bf16_tokens_are_transformers_argmax_with_each_kernel_kind(tiny, 
     monkeypatch.setenv(ks.ENV_CACHE, str(tmp_path / "sel.json"))
     model_dir = tiny.get("qwen3", torch.bfloat16)
     llm = LLM(model=str(model_dir), tokenizer=str(builtin_model_path()), block_size=4, max_model_len=128, dtype="auto")
-    kernels = set(llm.engine.runner.linear_kernels)
+    kernels = set(llm.engine.executor.driver_worker.model_runner.linear_kernels)
     if mode == "onednn" and onednn_packing_available(torch.bfloat16):
         assert kernels == {"onednn-packed"}
     if mode == "native" and native_linear_support(NATIVE_BF16):

@@ -16,10 +16,11 @@ from test_models import random_prompt
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pagoda import LLM, SamplingParams
+from pagoda.attention.protocol import AttentionLayerSpec, build_metadata, quantize_kv
+from pagoda.attention.torch_backend import TorchAttentionBackend
+from pagoda.attention.triton_backend import TritonAttentionBackend
 from pagoda.config import builtin_model_path
 from pagoda.layers.attention import Attention
-from pagoda.worker.attention import AttentionLayerSpec, TorchAttentionBackend, build_metadata, quantize_kv
-from pagoda.worker.attention_triton import TritonAttentionBackend
 from pagoda.worker.kv_sizing import KVCacheShape, cpu_num_blocks, kv_cache_torch_dtype
 
 MAX_TOKENS = 24
@@ -115,7 +116,7 @@ def logprob_gaps(llm: LLM, prompts: list[list[int]], outputs: list[list[int]]) -
 def test_fp8_cache_greedy_tokens_agree_with_the_model_dtype_cache(models, auto_run, model, dtype, kv_cache_dtype):
     model_dir, prompts = models[model]
     llm = make_llm(model_dir, dtype, kv_cache_dtype)
-    caches = llm.engine.runner.kv_caches
+    caches = llm.engine.executor.driver_worker.model_runner.kv_caches
     assert caches and all(c.dtype == FP8[kv_cache_dtype] and c.element_size() == 1 for c in caches)
     got = greedy(llm, prompts)
     auto_llm, want = auto_run(model, dtype)
@@ -189,9 +190,14 @@ def test_same_kv_cache_memory_holds_twice_the_tokens_of_a_bf16_cache(kv_cache_dt
     fp8 = make_llm(model_dir, "bfloat16", kv_cache_dtype, kv_cache_memory=budget)
     bf16_stats, fp8_stats = bf16.engine.get_stats(), fp8.engine.get_stats()
     assert (bf16_stats.num_blocks, fp8_stats.num_blocks) == (48, 96)
-    assert fp8.engine.runner.kv_shape.bytes_per_block * 2 == bf16.engine.runner.kv_shape.bytes_per_block
-    assert fp8.engine.runner.kv_shape.dtype == FP8[kv_cache_dtype]
-    cache_bytes = [sum(c.nbytes for c in llm.engine.runner.kv_caches) for llm in (bf16, fp8)]
+    assert (
+        fp8.engine.executor.driver_worker.model_runner.kv_shape.bytes_per_block * 2
+        == bf16.engine.executor.driver_worker.model_runner.kv_shape.bytes_per_block
+    )
+    assert fp8.engine.executor.driver_worker.model_runner.kv_shape.dtype == FP8[kv_cache_dtype]
+    cache_bytes = [
+        sum(c.nbytes for c in llm.engine.executor.driver_worker.model_runner.kv_caches) for llm in (bf16, fp8)
+    ]
     assert cache_bytes[0] == cache_bytes[1] == budget
 
 
@@ -201,7 +207,7 @@ def test_preemption_chunked_prefill_and_prefix_caching_give_the_plain_runs_token
     prompts = [prompts[0] * 4 + p for p in prompts[:6]]  # a shared prefix of whole blocks for the prefix cache
     plain_llm = make_llm(model_dir, dtype, "fp8_e4m3", enable_prefix_caching=False)
     plain = greedy(plain_llm, prompts)
-    block_bytes = plain_llm.engine.runner.kv_shape.bytes_per_block
+    block_bytes = plain_llm.engine.executor.driver_worker.model_runner.kv_shape.bytes_per_block
     llm = make_llm(
         model_dir,
         dtype,
@@ -222,11 +228,11 @@ def test_kv_scales_are_used_when_writing_and_reading(models, auto_run):
     model_dir, prompts = models["stories260K"]
     llm = make_llm(model_dir, "float32", "fp8_e4m3")
     unscaled = make_llm(model_dir, "float32", "fp8_e4m3")
-    for layer in llm.engine.runner.model.model.layers:
+    for layer in llm.engine.executor.driver_worker.model_runner.model.model.layers:
         layer.self_attn.attn.set_kv_scales(0.05, 0.02)
     got = greedy(llm, prompts)
     greedy(unscaled, prompts)  # the same steps and blocks: only the scales differ
-    codes = [e.engine.runner.kv_caches[0].view(torch.uint8) for e in (llm, unscaled)]
+    codes = [e.engine.executor.driver_worker.model_runner.kv_caches[0].view(torch.uint8) for e in (llm, unscaled)]
     assert codes[0].any() and not torch.equal(codes[0], codes[1])
     auto_llm, want = auto_run("stories260K", "float32")
     gaps = logprob_gaps(auto_llm, prompts, got)
@@ -290,9 +296,9 @@ def test_gpu_cuda_graphs_eager_triton_and_torch_agree_over_an_fp8_cache(tiny, kv
         "torch": {"attention_backend": "torch"},
     }.items():
         llm = make_llm(model_dir, "float32", kv_cache_dtype, device="cuda", max_num_seqs=16, **kwargs)
-        assert all(c.dtype == FP8[kv_cache_dtype] for c in llm.engine.runner.kv_caches)
-        assert (llm.engine.runner.cuda_graphs is not None) == (name == "graphs")
+        assert all(c.dtype == FP8[kv_cache_dtype] for c in llm.engine.executor.driver_worker.model_runner.kv_caches)
+        assert (llm.engine.executor.driver_worker.model_runner.cuda_graphs is not None) == (name == "graphs")
         runs[name] = greedy(llm, prompts)
         if name == "graphs":
-            assert sum(llm.engine.runner.cuda_graphs.num_replays.values()) > 0
+            assert sum(llm.engine.executor.driver_worker.model_runner.cuda_graphs.num_replays.values()) > 0
     assert runs["graphs"] == runs["eager"] == runs["torch"]

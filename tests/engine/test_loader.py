@@ -13,10 +13,10 @@ from safetensors.torch import load_file, save_file
 from tiny_checkpoints import EOS_TOKEN_ID, TinyCheckpoints, session_checkpoints
 from transformers import AutoConfig, Qwen2Config
 
+from pagoda.attention.torch_backend import TorchAttentionBackend
 from pagoda.loader import iterate_safetensors, load_model, safetensors_files
 from pagoda.model_config import ModelConfig, RopeScaling, resolve_dtype
 from pagoda.models import LlamaForCausalLM, Qwen3ForCausalLM, get_model_class, supported_architectures
-from pagoda.worker.attention import TorchAttentionBackend
 
 STORIES_DIR = Path(__file__).resolve().parents[2] / "engine/src/pagoda/assets/models/stories260K"
 SUPPORTED = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]

@@ -68,13 +68,13 @@ def test_three_adapters_and_the_base_in_one_batch_give_peft_tokens(case: Case) -
 def test_two_slots_for_three_adapters_swap_them_and_stay_exact(case: Case) -> None:
     llm = case.llm(max_loras=2)
     steps: list[set[int]] = []
-    execute = llm.engine.runner.execute
+    execute = llm.engine.executor.execute_model
 
-    def observed(plan):
+    def observed(plan, adapters):
         steps.append({s.request.lora_id for s in plan.scheduled if s.request.lora_id is not None})
-        return execute(plan)
+        return execute(plan, adapters)
 
-    llm.engine.runner.execute = observed
+    llm.engine.executor.execute_model = observed
     prompts, requests, expected = case.mixed_batch()
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=requests)
     assert [o.outputs[0].token_ids for o in outputs] == expected

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from pagoda.lora.layers import LinearLoRA, LoRAContext, LoRASegments
-from pagoda.lora.manager import device_mapping
+from pagoda.lora.slots import device_mapping
 
 IN, MAX_LORAS = 48, 3
 LAYOUTS = {"qkv": (64, 32, 32), "gate_up": (40, 40), "down": (24,)}

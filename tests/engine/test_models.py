@@ -18,8 +18,9 @@ import torch
 from tiny_checkpoints import ARCHES, TinyCheckpoints
 from transformers import AutoModelForCausalLM
 
+from pagoda.attention.protocol import build_metadata
+from pagoda.attention.torch_backend import TorchAttentionBackend
 from pagoda.loader import load_model
-from pagoda.worker.attention import TorchAttentionBackend, build_metadata
 
 STORIES_DIR = Path(__file__).resolve().parents[2] / "engine/src/pagoda/assets/models/stories260K"
 

@@ -7,9 +7,11 @@ the same backend with the native kernel switched off: gathered contexts through 
 
 import pytest
 import torch
+from attention_helpers import random_paged_step
 
-import pagoda.worker.attention as attention
-from pagoda.worker.attention import AttentionLayerSpec, TorchAttentionBackend, build_metadata, quantize_kv
+import pagoda.attention.torch_backend as attention
+from pagoda.attention.protocol import AttentionLayerSpec, build_metadata, quantize_kv
+from pagoda.attention.torch_backend import TorchAttentionBackend
 
 pytestmark = pytest.mark.skipif(
     not attention._native_attention_built(), reason="native CPU kernels unavailable (no compiler or no AVX-512)"
@@ -17,19 +19,8 @@ pytestmark = pytest.mark.skipif(
 
 
 def make_step(query_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    needed = [-(-s // block_size) for s in seq_lens]
-    num_blocks = sum(needed) + 3  # spare blocks hold garbage no request may read
-    order = torch.randperm(num_blocks, generator=gen).tolist()
-    tables, used = [], 0
-    for n in needed:
-        tables.append(order[used : used + n])
-        used += n
-    tokens = sum(query_lens)
-    q = torch.randn(tokens, num_heads, head_dim, generator=gen).to(dtype)
-    k = torch.randn(tokens, num_kv_heads, head_dim, generator=gen).to(dtype)
-    v = torch.randn(tokens, num_kv_heads, head_dim, generator=gen).to(dtype)
-    kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+    *tensors, tables = random_paged_step(query_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, 3, seed)
+    q, k, v, kv_cache = (t.to(dtype) for t in tensors)
     return q, k, v, kv_cache, build_metadata(query_lens, seq_lens, tables, block_size)
 
 

@@ -149,51 +149,29 @@ def test_tokenize_takes_a_prompt_or_messages() -> None:
 
 
 def test_completion_maps_every_sampling_field() -> None:
-    request = CompletionRequest.model_validate(
-        {
-            "prompt": "a",
-            "max_tokens": 7,
-            "temperature": 0.5,
-            "top_p": 0.9,
-            "top_k": 5,
-            "min_p": 0.1,
-            "n": 2,
-            "logprobs": 3,
-            "stop": ["x"],
-            "stop_token_ids": [4],
-            "seed": 11,
-            "presence_penalty": 0.5,
-            "frequency_penalty": -0.5,
-            "repetition_penalty": 1.2,
-            "logit_bias": {"7": 2.0},
-            "ignore_eos": True,
-            "min_tokens": 2,
-            "include_stop_str_in_output": True,
-            "skip_special_tokens": False,
-        }
-    )
+    # Each of these has the same name and value in the request and in SamplingParams.
+    same = {
+        "max_tokens": 7,
+        "temperature": 0.5,
+        "top_p": 0.9,
+        "top_k": 5,
+        "min_p": 0.1,
+        "n": 2,
+        "logprobs": 3,
+        "stop": ["x"],
+        "stop_token_ids": [4],
+        "seed": 11,
+        "presence_penalty": 0.5,
+        "frequency_penalty": -0.5,
+        "repetition_penalty": 1.2,
+        "ignore_eos": True,
+        "min_tokens": 2,
+        "include_stop_str_in_output": True,
+        "skip_special_tokens": False,
+    }
+    request = CompletionRequest.model_validate({"prompt": "a", **same, "logit_bias": {"7": 2.0}})
     params = request.to_sampling_params(None, {"temperature": 0.1, "top_k": 50})
-    expected = SamplingParams(
-        n=2,
-        temperature=0.5,
-        top_p=0.9,
-        top_k=5,
-        min_p=0.1,
-        presence_penalty=0.5,
-        frequency_penalty=-0.5,
-        repetition_penalty=1.2,
-        seed=11,
-        stop=["x"],
-        stop_token_ids=[4],
-        include_stop_str_in_output=True,
-        ignore_eos=True,
-        max_tokens=7,
-        min_tokens=2,
-        logprobs=3,
-        logit_bias={7: 2.0},
-        skip_special_tokens=False,
-        output_kind=RequestOutputKind.FINAL_ONLY,
-    )
+    expected = SamplingParams(**same, logit_bias={7: 2.0}, output_kind=RequestOutputKind.FINAL_ONLY)
     assert params == expected
 
 

@@ -27,7 +27,7 @@ from pagoda.quantization.formats import (
     is_quantized_module,
 )
 from pagoda.quantization.weights import Fp8Weight, IntWeight
-from pagoda.quantization.writers import write_quantized_checkpoint
+from pagoda.testing.quant_writers import write_quantized_checkpoint
 
 # hidden 128, intermediate 256, 4 heads x 32: every projection's input divides by group size 128.
 SHAPES = dict(hidden_size=128, intermediate_size=256, head_dim=32)

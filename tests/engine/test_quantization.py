@@ -7,23 +7,21 @@ import torch
 import torch.nn.functional as F
 
 from pagoda import LLM, EngineArgs, SamplingParams
+from pagoda.attention.torch_backend import TorchAttentionBackend
 from pagoda.cpu import cpu_ops
-from pagoda.layers.linear import Linear, MergedLinear
-from pagoda.layers.linear_kernels import (
+from pagoda.layers.cpu_linear import (
     NATIVE_BF16,
     NATIVE_INT8,
-    Int8WeightOnlyLinear,
     NativeBf16Linear,
     NativeGatedBf16Linear,
     PackedLinear,
     native_linear_support,
     onednn_packing_available,
-    prepare_linear_layers,
-    quantize_int8_per_channel,
-    validate_quantization,
 )
+from pagoda.layers.int8_cpu import Int8WeightOnlyLinear, quantize_int8_per_channel
+from pagoda.layers.linear import Linear, MergedLinear
+from pagoda.layers.linear_kernels import prepare_linear_layers, validate_quantization
 from pagoda.loader import load_model
-from pagoda.worker.attention import TorchAttentionBackend
 
 STORY_PROMPTS = [
     f"{start}{tail}"

@@ -1,6 +1,6 @@
 """Quantized checkpoints (AWQ, GPTQ, FP8) and FP8 applied at load, through the whole engine.
 
-Each format is written by :mod:`pagoda.quantization.writers` from a tiny random-weight checkpoint, exactly as the
+Each format is written by :mod:`pagoda.testing.quant_writers` from a tiny random-weight checkpoint, exactly as the
 published tools lay it out (the byte layouts are checked against the formats' specifications in
 test_quant_formats.py). The reference is transformers' model of the float checkpoint with every quantized weight
 replaced by its dequantized value: in float32, Pagoda's logits equal it within float32 rounding and its greedy tokens
@@ -26,7 +26,7 @@ from pagoda.loader import safetensors_files
 from pagoda.quantization.config import checkpoint_quant_config
 from pagoda.quantization.formats import QUANT_TENSOR_SUFFIXES, build_quantized_weight
 from pagoda.quantization.weights import quantize_fp8_per_row
-from pagoda.quantization.writers import write_quantized_checkpoint
+from pagoda.testing.quant_writers import write_quantized_checkpoint
 
 # (method, writer options): group sizes divide the tiny models' 64- and 128-wide inputs.
 FORMATS = {
@@ -99,7 +99,7 @@ def test_float32_logits_and_greedy_tokens_equal_transformers_on_the_dequantized_
     reference = reference_with(tiny.get(arch, torch.float32), dequantized_state(model_dir))
     llm = _llm(model_dir, dtype="float32")  # --quantization inferred from config.json
     method = FORMATS[name][0]
-    kernels = llm.engine.runner.linear_kernels
+    kernels = llm.engine.executor.driver_worker.model_runner.linear_kernels
     assert sum(count for kernel, count in kernels.items() if kernel.startswith(("int4", "int8-", "fp8"))) == 8, kernels
     logits = prefill_logits(llm, PROMPTS[2])
     expected = hf_logits(reference, PROMPTS[2])
@@ -137,7 +137,7 @@ def test_fp8_applied_at_load_equals_transformers_on_per_row_fp8_weights(tiny):
 
 def test_a_quantized_checkpoint_holds_no_dense_copy_of_its_quantized_weights(quantized):
     llm = _llm(quantized("llama", "awq-g32"), dtype="bfloat16")
-    model = llm.engine.runner.model
+    model = llm.engine.executor.driver_worker.model_runner.model
     layer = model.model.layers[0]
     for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
         assert linear.weight is None and linear.kernel is not None and linear.kernel.name.startswith("int4")
@@ -205,7 +205,7 @@ def test_checkpoint_kv_cache_scales_reach_every_attention_layer(tiny, tmp_path):
     tensors["model.layers.1.self_attn.kv_scale"] = torch.tensor(2.0)  # the older single-scale name sets both
     save_file(tensors, model_dir / "model.safetensors", metadata={"format": "pt"})
     llm = _llm(model_dir, dtype="float32", kv_cache_dtype="fp8_e4m3")
-    layers = llm.engine.runner.model.model.layers
+    layers = llm.engine.executor.driver_worker.model_runner.model.model.layers
     assert (layers[0].self_attn.attn.k_scale, layers[0].self_attn.attn.v_scale) == (0.5, 0.25)
     assert (layers[1].self_attn.attn.k_scale, layers[1].self_attn.attn.v_scale) == (2.0, 2.0)
     assert len(llm.generate([PROMPTS[0]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == 24
@@ -229,7 +229,7 @@ def test_older_exports_that_describe_their_quantization_beside_config_json_load(
     legacy = {"w_bit": settings["bits"], "q_group_size": settings["group_size"], "zero_point": True, "version": "GEMM"}
     (awq / "quant_config.json").write_text(json.dumps(legacy))  # AutoAWQ's own file
     for model_dir in (gptq, awq):
-        kernels = _llm(model_dir, dtype="float32").engine.runner.linear_kernels
+        kernels = _llm(model_dir, dtype="float32").engine.executor.driver_worker.model_runner.linear_kernels
         assert sum(n for k, n in kernels.items() if k.startswith("int4")) == 8, kernels
 
 

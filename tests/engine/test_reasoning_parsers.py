@@ -3,6 +3,7 @@
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from parser_helpers import split
 
 from pagoda.entrypoints.openai.reasoning_parsers import (
     REASONING_PARSERS,
@@ -76,62 +77,52 @@ def test_qwen3(text, expected):
     assert QWEN3.extract(text) == expected
 
 
+def fed(parser: ReasoningParser, *chunks: str) -> tuple[list[tuple[str, str]], tuple[str, str]]:
+    """What ``feed`` returns for each chunk, and what ``finish`` returns after them (a second one returns nothing)."""
+    streamer = parser.streamer()
+    emitted = [streamer.feed(chunk) for chunk in chunks]
+    rest = streamer.finish()
+    assert streamer.finish() == ("", "")
+    return emitted, rest
+
+
 def test_streaming_reasoning_is_not_held_back():
-    streamer = R1.streamer()
-    assert streamer.feed("<thi") == ("", "")
-    assert streamer.feed("nk>Let me") == ("Let me", "")
-    assert streamer.feed(" think</th") == (" think", "")
-    assert streamer.feed("ink>\n\nThe answer") == ("", "\n\nThe answer")
-    assert streamer.feed(" is 4.") == ("", " is 4.")
-    assert streamer.finish() == ("", "")
-    assert streamer.finish() == ("", "")
-    with pytest.raises(RuntimeError):
-        streamer.feed("x")
+    emitted, rest = fed(R1, "<thi", "nk>Let me", " think</th", "ink>\n\nThe answer", " is 4.")
+    assert emitted == [("", ""), ("Let me", ""), (" think", ""), ("", "\n\nThe answer"), ("", " is 4.")]
+    assert rest == ("", "")
 
 
 def test_streaming_qwen3_tagged():
-    streamer = QWEN3.streamer()
-    assert streamer.feed("<think>") == ("", "")
-    assert streamer.feed("hmm") == ("hmm", "")
-    assert streamer.feed("</think>\n") == ("", "")
-    assert streamer.feed("\n") == ("", "")
-    assert streamer.feed("Hi") == ("", "Hi")
-    assert streamer.feed("\n") == ("", "\n")
-    assert streamer.finish() == ("", "")
+    emitted, rest = fed(QWEN3, "<think>", "hmm", "</think>\n", "\n", "Hi", "\n")
+    assert emitted == [("", ""), ("hmm", ""), ("", ""), ("", ""), ("", "Hi"), ("", "\n")]
+    assert rest == ("", "")
 
 
 def test_streaming_qwen3_untagged_is_held_until_decided():
-    streamer = QWEN3.streamer()
-    assert streamer.feed("plan ") == ("", "")
-    assert streamer.feed("more</thi") == ("", "")
-    assert streamer.feed("nk>\n\nanswer") == ("plan more", "answer")
-    assert streamer.finish() == ("", "")
-
-    streamer = QWEN3.streamer()
-    assert streamer.feed("Just ") == ("", "")
-    assert streamer.feed("an answer.") == ("", "")
-    assert streamer.finish() == ("", "Just an answer.")
+    assert fed(QWEN3, "plan ", "more</thi", "nk>\n\nanswer") == (
+        [("", ""), ("", ""), ("plan more", "answer")],
+        ("", ""),
+    )
+    assert fed(QWEN3, "Just ", "an answer.") == ([("", ""), ("", "")], ("", "Just an answer."))
 
 
 def test_streaming_r1_partial_end_tag_at_finish_is_reasoning():
-    streamer = R1.streamer()
-    assert streamer.feed("plan</thi") == ("plan", "")
-    assert streamer.finish() == ("</thi", "")
+    assert fed(R1, "plan</thi") == ([("plan", "")], ("</thi", ""))
+
+
+@pytest.mark.parametrize("parser", [R1, QWEN3], ids=["deepseek_r1", "qwen3"])
+def test_feed_after_finish_is_an_error(parser):
+    streamer = parser.streamer()
+    streamer.feed("<think>plan</think>answer")
+    streamer.finish()
+    with pytest.raises(RuntimeError):
+        streamer.feed("x")
 
 
 TEXT = st.lists(
     st.sampled_from(["<think>", "</think>", "<th", "ink>", "</", "\n", "\n\n", " ", "plan", "é🙂", "<", ">", "x"]),
     max_size=10,
 ).map("".join) | st.text(max_size=20)
-
-
-def split(data: st.DataObject, text: str) -> list[str]:
-    """``text`` cut at random places (sometimes one character per chunk)."""
-    if data.draw(st.booleans()):
-        return list(text) or [""]
-    cuts = sorted(data.draw(st.sets(st.integers(0, len(text)), max_size=8)))
-    bounds = [0, *cuts, len(text)]
-    return [text[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
 
 
 @pytest.mark.parametrize("name", sorted(REASONING_PARSERS))

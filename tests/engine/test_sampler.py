@@ -7,15 +7,14 @@ from typing import Optional
 import pytest
 import torch
 
-from pagoda.sampling_params import SamplingParams
+from pagoda.sampling_params import SamplingParams, validate_for_vocab
 from pagoda.worker import logits_processing
+from pagoda.worker.logits_processing import SamplingRow
 from pagoda.worker.sampler import (
     NO_TOKEN_LEFT,
     NON_FINITE_LOGITS,
     Sampler,
-    SamplingRow,
     compute_prompt_logprobs,
-    validate_for_vocab,
 )
 
 sampler = Sampler()

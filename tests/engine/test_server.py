@@ -265,19 +265,27 @@ def test_a_burst_past_the_queue_limit_gets_429_and_the_admitted_requests_complet
         server.stop()
 
 
-def test_sigterm_drains_in_flight_requests_then_exits_zero():
-    # One sequence at a time, so four 400-token requests stay in flight for a while.
-    server = start_server("--shutdown-timeout", "60", "--max-num-seqs", "1")
-    results = []
-    body = {"prompt": [1], "max_tokens": 400, "ignore_eos": True, "temperature": 0}
+def _sigterm_during_completions(server, count: int, max_tokens: int) -> tuple[list, list[threading.Thread]]:
+    """Send ``count`` long completions at once (a thread each), then SIGTERM the server while they run.
+
+    Returns the list each thread appends its (code, headers, payload) to, and the threads to join."""
+    results: list = []
+    body = {"prompt": [1], "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0}
     threads = [
         threading.Thread(target=lambda: results.append(server.request("POST", "/v1/completions", body)))
-        for _ in range(4)
+        for _ in range(count)
     ]
     for t in threads:
         t.start()
     time.sleep(0.3)
     server.process.terminate()
+    return results, threads
+
+
+def test_sigterm_drains_in_flight_requests_then_exits_zero():
+    # One sequence at a time, so four 400-token requests stay in flight for a while.
+    server = start_server("--shutdown-timeout", "60", "--max-num-seqs", "1")
+    results, threads = _sigterm_during_completions(server, 4, 400)
     time.sleep(0.2)
     assert server.request("GET", "/ready")[0] == 503
     assert server.request("POST", "/v1/completions", {"prompt": "hi", "max_tokens": 2})[0] == 503
@@ -290,16 +298,7 @@ def test_sigterm_drains_in_flight_requests_then_exits_zero():
 
 def test_past_the_shutdown_timeout_the_rest_are_aborted_with_a_clear_error():
     server = start_server("--shutdown-timeout", "1", "--max-num-seqs", "1")
-    results = []
-    body = {"prompt": [1], "max_tokens": 500, "ignore_eos": True, "temperature": 0}
-    threads = [
-        threading.Thread(target=lambda: results.append(server.request("POST", "/v1/completions", body)))
-        for _ in range(6)
-    ]
-    for t in threads:
-        t.start()
-    time.sleep(0.3)
-    server.process.terminate()
+    results, threads = _sigterm_during_completions(server, 6, 500)
     for t in threads:
         t.join(60)
     aborted = [payload for code, _, payload in results if code == 503]

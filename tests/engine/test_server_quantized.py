@@ -14,7 +14,7 @@ from server_helpers import start_server
 
 from pagoda import LLM, SamplingParams
 from pagoda.config import builtin_model_path
-from pagoda.quantization.writers import write_quantized_checkpoint
+from pagoda.testing.quant_writers import write_quantized_checkpoint
 
 PROMPTS = [[1, 20, 31, 42, 53], [1, 100, 7]]  # token ids: the tiny model's vocabulary is 256
 FLAGS = ("--max-model-len", "128", "--kv-cache-memory", "16MiB", "--kv-cache-dtype", "fp8_e4m3", "--dtype", "bfloat16")
@@ -39,10 +39,10 @@ def test_an_awq_checkpoint_with_an_fp8_kv_cache_answers_the_openai_client_like_t
     )
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     expected = [o.outputs[0].text for o in offline.generate(PROMPTS, params, use_tqdm=False)]
-    assert offline.engine.runner.kv_caches[0].dtype == torch.float8_e4m3fn
+    assert offline.engine.executor.driver_worker.model_runner.kv_caches[0].dtype == torch.float8_e4m3fn
     assert (
-        "int4-native-gated" in offline.engine.runner.linear_kernels
-        or "int4-torch" in offline.engine.runner.linear_kernels
+        "int4-native-gated" in offline.engine.executor.driver_worker.model_runner.linear_kernels
+        or "int4-torch" in offline.engine.executor.driver_worker.model_runner.linear_kernels
     )
     del offline
     server = start_server(str(awq_model), "--tokenizer", tokenizer, "--served-model-name", "awq", *FLAGS)

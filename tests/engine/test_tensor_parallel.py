@@ -17,13 +17,13 @@ import torch
 from test_models import hf_greedy, hf_model
 
 from pagoda import LLM, SamplingParams
+from pagoda.attention.torch_backend import TorchAttentionBackend
 from pagoda.config import builtin_model_path
 from pagoda.distributed.errors import WorkerDiedError
 from pagoda.distributed.parallel import TensorParallel, check_shardable
 from pagoda.loader import load_model
 from pagoda.model_config import ModelConfig
-from pagoda.worker.attention import TorchAttentionBackend
-from pagoda.worker.model_runner import ForwardStep
+from pagoda.worker.step import ForwardStep
 
 BLOCK_SIZE = 4
 MAX_MODEL_LEN = 96
@@ -69,7 +69,7 @@ def prefill_logits(llm: LLM, prompt: list[int]) -> torch.Tensor:
         prompt_logprob_spans=[(0, len(prompt))],
         sample_rows=[],
     )
-    return llm.engine.runner.on_all_ranks("run_forward", step).prompt[0]
+    return llm.engine.executor.collective_rpc("run_forward", step).prompt[0]
 
 
 # (arch, config overrides): KV heads split (2 over 2 ranks) and replicated (1 KV head), a vocabulary that does not
@@ -105,7 +105,9 @@ def test_two_ranks_give_one_ranks_logits_and_transformers_greedy_tokens(tiny, ar
         with engine(
             model_dir, tp, max_num_batched_tokens=16, enable_prefix_caching=True, kv_cache_memory=kv_bytes
         ) as llm:
-            assert (llm.engine.runner.tp.shm is not None) == (tp == 2)  # CPU ranks exchange through shared memory
+            assert (llm.engine.executor.driver_worker.model_runner.tp.shm is not None) == (
+                tp == 2
+            )  # CPU ranks exchange through shared memory
             results[tp] = {"logits": prefill_logits(llm, batch[2])}
             outputs = llm.generate(batch, GREEDY, use_tqdm=False)
             results[tp]["tokens"] = [o.outputs[0].token_ids for o in outputs]
@@ -126,7 +128,7 @@ def test_collectives_through_gloo_alone_give_the_same_tokens(tiny, monkeypatch):
     batch = prompts(256)[:4]
     reference = hf_model(model_dir, torch.float32)
     with engine(model_dir, 2) as llm:
-        assert llm.engine.runner.tp.shm is None
+        assert llm.engine.executor.driver_worker.model_runner.tp.shm is None
         tokens = [o.outputs[0].token_ids for o in llm.generate(batch, GREEDY, use_tqdm=False)]
     assert tokens == [hf_greedy(reference, p, GREEDY.max_tokens) for p in batch]
 
@@ -218,14 +220,14 @@ def test_four_ranks_with_two_kv_heads_replicate_each_kv_head_over_two_ranks(tiny
     batch = prompts(256)[:3]
     reference = hf_model(model_dir, torch.float32)
     with engine(model_dir, 4) as llm:
-        assert llm.engine.runner.model.kv_cache_spec.num_kv_heads == 1
+        assert llm.engine.executor.driver_worker.model_runner.model.kv_cache_spec.num_kv_heads == 1
         tokens = [o.outputs[0].token_ids for o in llm.generate(batch, GREEDY, use_tqdm=False)]
     assert tokens == [hf_greedy(reference, p, GREEDY.max_tokens) for p in batch]
 
 
 def test_a_failure_on_rank_0_mid_step_stops_the_workers_instead_of_leaving_them_a_step_apart(tiny):
     with engine(tiny.get("llama", torch.float32), 2) as llm:
-        runner = llm.engine.runner
+        runner = llm.engine.executor.driver_worker.model_runner
         real = runner._step_tensors
 
         def fail_once(step):
@@ -237,7 +239,7 @@ def test_a_failure_on_rank_0_mid_step_stops_the_workers_instead_of_leaving_them_
             llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
         with pytest.raises(WorkerDiedError, match="out of step"):  # never a silently wrong answer
             llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
-        assert not any(p.is_alive() for p in runner.workers.processes)
+        assert not any(p.is_alive() for p in llm.engine.executor.workers.processes)
 
 
 def test_sizes_that_do_not_divide_are_refused_naming_the_size(tiny):
@@ -266,7 +268,7 @@ def test_a_dead_or_hung_worker_stops_the_engine_in_bounded_time(tiny, fault):
         core.add_death_listener(deaths.append)
         core.add_request("a", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True))
         core.step()
-        worker = core.runner.workers.processes[0]
+        worker = core.executor.workers.processes[0]
         os.kill(worker.pid, signal.SIGKILL if fault == "killed" else signal.SIGSTOP)
         started = time.monotonic()
         try:
@@ -293,7 +295,7 @@ def test_int8_weights_on_two_ranks_give_one_ranks_greedy_tokens_on_stories260k()
     tokens = {}
     for tp in (1, 2):
         with engine(builtin_model_path(), tp, quantization="int8") as llm:
-            assert set(llm.engine.runner.linear_kernels) == {"int8-weight-only"}
+            assert set(llm.engine.executor.driver_worker.model_runner.linear_kernels) == {"int8-weight-only"}
             tokens[tp] = [o.outputs[0].token_ids for o in llm.generate(batch, GREEDY, use_tqdm=False)]
     assert tokens[2] == tokens[1]
 
@@ -305,7 +307,7 @@ def test_fp8_applied_at_load_on_two_ranks_stays_within_fp8_rounding_of_one_rank_
     logits = {}
     for tp in (1, 2):
         with engine(builtin_model_path(), tp, quantization="fp8") as llm:
-            kernels = llm.engine.runner.linear_kernels
+            kernels = llm.engine.executor.driver_worker.model_runner.linear_kernels
             assert sum(n for k, n in kernels.items() if k.startswith("fp8")) == 4 * 5, kernels  # 5 layers x 4
             logits[tp] = prefill_logits(llm, prompt)
     unquantized = {}

@@ -6,6 +6,7 @@ import re
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from parser_helpers import split
 
 from pagoda.entrypoints.openai.tool_parsers import (
     TOOL_CALL_PARSERS,
@@ -396,15 +397,6 @@ def mistral_outputs() -> st.SearchStrategy[str]:
         array | st.lists(segment, min_size=1, max_size=3).map("".join) | st.just(""),
         st.sampled_from(["", "\n", "[TOOL_", "[TOOL_CALLS]", "x", "}"]),
     )
-
-
-def split(data: st.DataObject, text: str) -> list[str]:
-    """``text`` cut at random places (sometimes one character per chunk)."""
-    if data.draw(st.booleans()):
-        return list(text) or [""]
-    cuts = sorted(data.draw(st.sets(st.integers(0, len(text)), max_size=8)))
-    bounds = [0, *cuts, len(text)]
-    return [text[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
 
 
 OUTPUTS = {"hermes": hermes_outputs(), "llama3_json": llama3_outputs(), "mistral": mistral_outputs()}

@@ -230,22 +230,22 @@ def build_tiny_chat_tokenizer() -> PreTrainedTokenizerFast:
 def build_tiny_chat_qwen3(out_dir: Path, seed: int = 0) -> Path:
     """Write the tiny Qwen3 chat checkpoint (weights, configs, tokenizer, chat template) to ``out_dir``."""
     out_dir = Path(out_dir)
+    # Qwen3's: <|endoftext|> begins and pads (config.json and generation_config.json say the same)
+    bos_and_pad = {"bos_token_id": ENDOFTEXT_ID, "pad_token_id": ENDOFTEXT_ID}
     build_tiny_checkpoint(
         "qwen3",
         out_dir,
         torch.float32,
         seed=seed,
         vocab_size=VOCAB_SIZE,
-        bos_token_id=ENDOFTEXT_ID,
         eos_token_id=IM_END_ID,
-        pad_token_id=ENDOFTEXT_ID,
         max_position_embeddings=MAX_POSITION_EMBEDDINGS,
+        **bos_and_pad,
     )
     # build_tiny_checkpoint's generation_config.json has its own ids (1 and 2): replace it with Qwen3's.
     GenerationConfig(
-        bos_token_id=ENDOFTEXT_ID,
         eos_token_id=EOS_TOKEN_IDS,
-        pad_token_id=ENDOFTEXT_ID,
+        **bos_and_pad,
         do_sample=True,
         temperature=0.6,
         top_p=0.95,

@@ -17,7 +17,7 @@ from pagoda_kernels.decode_attention import (
     paged_decode_attention,
     paged_decode_attention_reference,
 )
-from pagoda_kernels.kv_write import quantize_fp8_reference
+from pagoda_kernels.fp8_codes import quantize_fp8_reference
 
 TOLERANCE = {
     torch.float32: dict(atol=1e-5, rtol=1e-4),

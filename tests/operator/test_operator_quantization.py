@@ -10,18 +10,13 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from operator_helpers import validate_kubernetes
+from operator_helpers import OWNER, spec_of, validate_kubernetes
 
-from pagoda_operator.builders import Owner, build_deployment, engine_args
+from pagoda_operator.builders import build_deployment, engine_args
 from pagoda_operator.capabilities import check_capabilities, engine_capabilities
-from pagoda_operator.spec import InvalidSpec, parse_spec
+from pagoda_operator.spec import InvalidSpec
 
-OWNER = Owner(name="llm", namespace="team-a", uid="1234-uid")
 QUANTIZED_MODEL = {"source": "pvc://models/qwen3-quantized"}
-
-
-def spec_of(**spec: Any):
-    return parse_spec({"metadata": {"name": "llm", "namespace": "team-a", "uid": "1234-uid"}, "spec": spec})
 
 
 def refused(contract: dict[str, Any] | None = None, **spec: Any) -> InvalidSpec:

@@ -5,16 +5,11 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import pytest
+from operator_helpers import OWNER, spec_of
 
-from pagoda_operator.builders import Owner, build_deployment, build_pdb, engine_args
+from pagoda_operator.builders import build_deployment, build_pdb, engine_args
 from pagoda_operator.constants import PRESTOP_SLEEP_SECONDS
-from pagoda_operator.spec import InvalidSpec, parse_spec
-
-OWNER = Owner(name="llm", namespace="team-a", uid="1234-uid")
-
-
-def spec_of(**spec: Any):
-    return parse_spec({"metadata": {"name": "llm", "namespace": "team-a", "uid": "1234-uid"}, "spec": spec})
+from pagoda_operator.spec import InvalidSpec
 
 
 def rolling_update(**spec: Any) -> dict[str, Any]:

@@ -12,25 +12,12 @@ from importlib import resources
 from typing import Any
 
 import pytest
-from operator_helpers import EXAMPLES, crd_openapi_schema, example_body, validate_kubernetes
+from operator_helpers import EXAMPLES, crd_openapi_schema, example_body, pod_spec, spec_of
 
-from pagoda_operator.builders import Owner, build_deployment
 from pagoda_operator.builders.deployment import CACHE_MOUNT, CHAT_TEMPLATE_MOUNT, cpu_threads
 from pagoda_operator.capabilities import SPEC_FLAGS, check_capabilities, engine_capabilities
 from pagoda_operator.spec import ENGINE_DEFAULT_MAX_LORAS, LORA_RANKS, InvalidSpec, parse_spec
 from pagoda_operator.status import STARTUP_REASONS, compute_conditions
-
-OWNER = Owner(name="llm", namespace="team-a", uid="1234-uid")
-
-
-def spec_of(**spec: Any):
-    return parse_spec({"metadata": {"name": "llm", "namespace": "team-a", "uid": "1234-uid"}, "spec": spec})
-
-
-def pod_spec(**spec: Any) -> dict[str, Any]:
-    deployment = build_deployment(spec_of(**spec), OWNER)
-    validate_kubernetes(deployment)
-    return deployment["spec"]["template"]["spec"]
 
 
 def env_of(container: dict[str, Any]) -> dict[str, Any]:

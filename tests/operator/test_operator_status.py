@@ -70,80 +70,37 @@ def test_an_unschedulable_pod_says_what_the_scheduler_said() -> None:
     assert both["Degraded"].reason == "ImagePullBackOff"
 
 
+def expect(ready: tuple[bool, str], progressing: tuple[bool, str], degraded: tuple[bool, str]) -> dict[str, Any]:
+    """The (status, reason) of Ready, Progressing and Degraded."""
+    return {"Ready": ready, "Progressing": progressing, "Degraded": degraded}
+
+
+NOT_READY, ROLLING_OUT, COMPLETE = (False, "ReplicasNotReady"), (True, "RollingOut"), (False, "RolloutComplete")
+AS_EXPECTED = (False, "AsExpected")
+INVALID = (False, "InvalidSpec")
+
+
 @pytest.mark.parametrize(
     ("error", "observed", "pods", "expected"),
     [
-        (
-            InvalidSpec("spec.gpus", "x"),
-            None,
-            [],
-            {"Ready": (False, "InvalidSpec"), "Progressing": (False, "InvalidSpec"), "Degraded": (True, "InvalidSpec")},
-        ),
-        (
-            None,
-            None,
-            [],
-            {"Ready": (False, "Pending"), "Progressing": (True, "Creating"), "Degraded": (False, "AsExpected")},
-        ),
-        (
-            None,
-            deployment(2, 1),
-            [],
-            {
-                "Ready": (False, "ReplicasNotReady"),
-                "Progressing": (True, "RollingOut"),
-                "Degraded": (False, "AsExpected"),
-            },
-        ),
-        (
-            None,
-            deployment(2, 2),
-            [],
-            {
-                "Ready": (True, "AllReplicasReady"),
-                "Progressing": (False, "RolloutComplete"),
-                "Degraded": (False, "AsExpected"),
-            },
-        ),
-        (
-            None,
-            deployment(2, 2, seen=1),  # the Deployment controller has not seen the new template yet
-            [],
-            {
-                "Ready": (False, "ReplicasNotReady"),
-                "Progressing": (True, "RollingOut"),
-                "Degraded": (False, "AsExpected"),
-            },
-        ),
-        (
-            None,
-            deployment(0, 0),
-            [],
-            {
-                "Ready": (False, "ScaledToZero"),
-                "Progressing": (False, "RolloutComplete"),
-                "Degraded": (False, "AsExpected"),
-            },
-        ),
+        (InvalidSpec("spec.gpus", "x"), None, [], expect(INVALID, INVALID, (True, "InvalidSpec"))),
+        (None, None, [], expect((False, "Pending"), (True, "Creating"), AS_EXPECTED)),
+        (None, deployment(2, 1), [], expect(NOT_READY, ROLLING_OUT, AS_EXPECTED)),
+        (None, deployment(2, 2), [], expect((True, "AllReplicasReady"), COMPLETE, AS_EXPECTED)),
+        # the Deployment controller has not seen the new template yet
+        (None, deployment(2, 2, seen=1), [], expect(NOT_READY, ROLLING_OUT, AS_EXPECTED)),
+        (None, deployment(0, 0), [], expect((False, "ScaledToZero"), COMPLETE, AS_EXPECTED)),
         (
             None,
             deployment(1, 0),
             [pod({"waiting": {"reason": "ImagePullBackOff", "message": "not found"}})],
-            {
-                "Ready": (False, "ImagePullBackOff"),
-                "Progressing": (True, "RollingOut"),
-                "Degraded": (True, "ImagePullBackOff"),
-            },
+            expect((False, "ImagePullBackOff"), ROLLING_OUT, (True, "ImagePullBackOff")),
         ),
         (
             None,
             deployment(1, 0),
             [pod({"waiting": {"reason": "CrashLoopBackOff"}})],
-            {
-                "Ready": (False, "ModelLoadFailed"),
-                "Progressing": (True, "RollingOut"),
-                "Degraded": (True, "ModelLoadFailed"),
-            },
+            expect((False, "ModelLoadFailed"), ROLLING_OUT, (True, "ModelLoadFailed")),
         ),
     ],
 )

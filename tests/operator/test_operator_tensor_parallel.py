@@ -11,33 +11,21 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from operator_helpers import crd_openapi_schema, crd_validator, validate_kubernetes
+from operator_helpers import crd_openapi_schema, crd_validator, pod_spec, spec_of
 
-from pagoda_operator.builders import Owner, build_deployment
 from pagoda_operator.builders.parallel import TENSOR_PARALLEL_ENV, default_shm_size
 from pagoda_operator.capabilities import check_capabilities, engine_capabilities, tensor_parallel_problem
-from pagoda_operator.spec import InvalidSpec, parse_spec
+from pagoda_operator.spec import InvalidSpec
 
-OWNER = Owner(name="llm", namespace="team-a", uid="1234-uid")
 ADAPTERS = [{"name": "sql", "source": "org/sql-lora"}]
 
 
-def spec_of(**spec: Any):
-    return parse_spec({"metadata": {"name": "llm", "namespace": "team-a", "uid": "1234-uid"}, "spec": spec})
-
-
-def pod(**spec: Any) -> dict[str, Any]:
-    deployment = build_deployment(spec_of(**spec), OWNER)
-    validate_kubernetes(deployment)
-    return deployment["spec"]["template"]["spec"]
-
-
 def env_items(**spec: Any) -> list[dict[str, Any]]:
-    return pod(**spec)["containers"][0]["env"]
+    return pod_spec(**spec)["containers"][0]["env"]
 
 
 def shm_limit(**spec: Any) -> str:
-    (shm,) = [v for v in pod(**spec)["volumes"] if v["name"] == "shm"]
+    (shm,) = [v for v in pod_spec(**spec)["volumes"] if v["name"] == "shm"]
     assert shm["emptyDir"]["medium"] == "Memory"
     return shm["emptyDir"]["sizeLimit"]
 
@@ -47,7 +35,7 @@ def shm_limit(**spec: Any) -> str:
 
 @pytest.mark.parametrize("gpus", [2, 4, 8])
 def test_n_gpus_are_one_pod_with_tensor_parallelism_n(gpus: int) -> None:
-    spec = pod(model={"source": "org/model"}, gpus=gpus)
+    spec = pod_spec(model={"source": "org/model"}, gpus=gpus)
     (engine,) = spec["containers"]
     args = engine["args"]
     assert args[args.index("--tensor-parallel-size") + 1] == str(gpus)

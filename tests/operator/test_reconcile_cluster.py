@@ -10,12 +10,10 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
-from control_plane import CLUSTER_SCRIPT, Cluster, cluster_with_crd, running_operator, wait_for
+from control_plane import CLUSTER_SCRIPT, Cluster, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not CLUSTER_SCRIPT.exists(), reason="needs ../shared/k8s/cluster")]
 
@@ -24,23 +22,10 @@ INTERVAL = 2.0  # the operator's PAGODA_RECONCILE_INTERVAL in running_operator
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory) -> Iterator[Cluster]:
-    with cluster_with_crd(tmp_path_factory.mktemp("k8s") / "cluster", NS) as cluster:
-        cluster.kubectl("create", "secret", "generic", "api-key", "--from-literal=api-key=k", "-n", NS)
-        yield cluster
-
-
-@pytest.fixture(scope="module")
-def operator(cluster: Cluster, tmp_path_factory) -> Iterator[Path]:
-    log = tmp_path_factory.mktemp("operator") / "kopf.log"
-    with running_operator(cluster, NS, log):
-        yield log
-
-
-def apply_md(cluster: Cluster, name: str, **spec: Any) -> None:
-    """``kubectl apply`` of a ModelDeployment, as GitOps does: fields left out of a re-apply are removed."""
-    body = {"apiVersion": "pagoda.dev/v1alpha1", "kind": "ModelDeployment", "metadata": {"name": name}, "spec": spec}
-    cluster.kubectl("apply", "-n", NS, "-f", "-", stdin=json.dumps(body))
+def cluster(cluster: Cluster) -> Cluster:
+    """The module's namespace (``conftest.py``) with the Secret that ``apiKeySecretRef`` names."""
+    cluster.kubectl("create", "secret", "generic", "api-key", "--from-literal=api-key=k", "-n", NS)
+    return cluster
 
 
 def deployment(cluster: Cluster, name: str) -> dict[str, Any]:
@@ -61,11 +46,6 @@ def env_names(d: dict[str, Any]) -> set[str]:
     return {e["name"] for e in engine(d).get("env") or []}
 
 
-def events(cluster: Cluster, name: str, reason: str) -> list[dict[str, Any]]:
-    items = json.loads(cluster.kubectl("get", "events", "-n", NS, "-o", "json").stdout)["items"]
-    return [e for e in items if e["involvedObject"]["name"] == name and e["reason"] == reason]
-
-
 def settle(cluster: Cluster, name: str) -> dict[str, str]:
     """Wait until the children stop changing (three intervals without a new resourceVersion)."""
     kinds = ("deployment", "service")
@@ -83,7 +63,7 @@ def settle(cluster: Cluster, name: str) -> dict[str, str]:
 
 
 def test_create_then_nothing_more_is_written_while_nothing_changes(cluster, operator) -> None:
-    apply_md(cluster, "quiet", maxModelLen=256)
+    cluster.apply_md("quiet", maxModelLen=256)
     created = wait_for("the Deployment", lambda: deployment(cluster, "quiet"), 60)
     (ref,) = created["metadata"]["ownerReferences"]
     assert ref["kind"] == "ModelDeployment" and ref["controller"] is True
@@ -93,8 +73,8 @@ def test_create_then_nothing_more_is_written_while_nothing_changes(cluster, oper
     assert ("pagoda-operator", "Apply") in managers and ("pagoda-operator", "Update") not in managers
     time.sleep(4 * INTERVAL)  # four periodic reconciles
     assert {k: (cluster.get(k, "quiet", NS) or {})["metadata"]["resourceVersion"] for k in versions} == versions
-    assert len(events(cluster, "quiet", "Created")) == 2  # Deployment and Service, once
-    assert not [e["message"] for e in events(cluster, "quiet", "Updated")]
+    assert len(cluster.events("quiet", "Created")) == 2  # Deployment and Service, once
+    assert not [e["message"] for e in cluster.events("quiet", "Updated")]
 
 
 def test_fields_removed_from_the_spec_are_removed_from_the_deployment(cluster, operator) -> None:
@@ -103,14 +83,14 @@ def test_fields_removed_from_the_spec_are_removed_from_the_deployment(cluster, o
         apiKeySecretRef={"name": "api-key"},
         resources={"limits": {"cpu": "2", "memory": "4Gi"}},
     )
-    apply_md(cluster, "pruned", **spec)
+    cluster.apply_md("pruned", **spec)
     full = wait_for(
         "the node selector, API key and resources",
         lambda: (d := deployment(cluster, "pruned")) and d["spec"]["template"]["spec"].get("nodeSelector") and d,
         60,
     )
     assert "PAGODA_API_KEY" in env_names(full) and engine(full)["resources"]["limits"]["cpu"] == "2"
-    apply_md(cluster, "pruned")  # all three removed, as a GitOps tool re-applies the edited manifest
+    cluster.apply_md("pruned")  # all three removed, as a GitOps tool re-applies the edited manifest
 
     def pruned() -> bool:
         d = deployment(cluster, "pruned")
@@ -124,7 +104,7 @@ def test_fields_removed_from_the_spec_are_removed_from_the_deployment(cluster, o
 
 
 def test_hand_edits_of_owned_fields_are_reverted_and_other_fields_left_alone(cluster, operator) -> None:
-    apply_md(cluster, "edited", maxModelLen=256)
+    cluster.apply_md("edited", maxModelLen=256)
     wait_for("the Deployment", lambda: deployment(cluster, "edited"), 60)
     settle(cluster, "edited")
     cluster.kubectl("set", "env", "deployment/edited", "-n", NS, "FOO=bar")  # a field the operator does not set
@@ -139,17 +119,17 @@ def test_hand_edits_of_owned_fields_are_reverted_and_other_fields_left_alone(clu
     assert "FOO" in env_names(deployment(cluster, "edited"))  # ... which stays
     time.sleep(3 * INTERVAL)
     assert deployment(cluster, "edited")["metadata"]["resourceVersion"] == versions["deployment"]
-    assert len(events(cluster, "edited", "Updated")) == 1  # the one revert
+    assert len(cluster.events("edited", "Updated")) == 1  # the one revert
 
 
 def test_deleted_children_are_recreated_and_a_spec_change_applies(cluster, operator) -> None:
-    apply_md(cluster, "restored", replicas=1, maxModelLen=256)
+    cluster.apply_md("restored", replicas=1, maxModelLen=256)
     wait_for("the Deployment", lambda: deployment(cluster, "restored"), 60)
     cluster.kubectl("delete", "deployment", "restored", "-n", NS)
     cluster.kubectl("delete", "service", "restored", "-n", NS)
     wait_for("the Deployment again", lambda: deployment(cluster, "restored"), 30)
     wait_for("the Service again", lambda: cluster.get("service", "restored", NS), 30)
-    apply_md(cluster, "restored", replicas=2, maxModelLen=1024)
+    cluster.apply_md("restored", replicas=2, maxModelLen=1024)
 
     def updated() -> bool:
         d = deployment(cluster, "restored")
@@ -157,14 +137,14 @@ def test_deleted_children_are_recreated_and_a_spec_change_applies(cluster, opera
         return d["spec"]["replicas"] == 2 and args[args.index("--max-model-len") + 1] == "1024"
 
     wait_for("the spec change on the Deployment", updated, 30)
-    assert events(cluster, "restored", "Updated")
+    assert cluster.events("restored", "Updated")
 
 
 def test_switching_autoscaling_on_keeps_the_live_replica_count(cluster, operator) -> None:
-    apply_md(cluster, "scaled", replicas=3)
+    cluster.apply_md("scaled", replicas=3)
     wait_for("3 replicas", lambda: deployment(cluster, "scaled").get("spec", {}).get("replicas") == 3, 60)
     hpa = {"enabled": True, "mode": "hpa", "minReplicas": 1, "maxReplicas": 6}
-    apply_md(cluster, "scaled", replicas=3, autoscaling=hpa)
+    cluster.apply_md("scaled", replicas=3, autoscaling=hpa)
     wait_for("the HPA", lambda: cluster.get("horizontalpodautoscaler", "scaled", NS), 30)
     settle(cluster, "scaled")
     assert deployment(cluster, "scaled")["spec"]["replicas"] == 3  # not dropped to the default of 1
@@ -172,14 +152,14 @@ def test_switching_autoscaling_on_keeps_the_live_replica_count(cluster, operator
     cluster.kubectl("scale", "deployment", "scaled", "-n", NS, "--replicas=5")
     time.sleep(3 * INTERVAL)
     assert deployment(cluster, "scaled")["spec"]["replicas"] == 5
-    apply_md(cluster, "scaled", replicas=2)  # autoscaling off: spec.replicas rules again
+    cluster.apply_md("scaled", replicas=2)  # autoscaling off: spec.replicas rules again
     wait_for("spec.replicas back in charge", lambda: deployment(cluster, "scaled")["spec"]["replicas"] == 2, 30)
     wait_for("the HPA deleted", lambda: cluster.get("horizontalpodautoscaler", "scaled", NS) is None, 30)
 
 
 def test_a_resource_created_autoscaled_starts_at_min_replicas(cluster, operator) -> None:
     hpa = {"enabled": True, "mode": "hpa", "minReplicas": 2, "maxReplicas": 4}
-    apply_md(cluster, "born-scaled", autoscaling=hpa)
+    cluster.apply_md("born-scaled", autoscaling=hpa)
     wait_for("2 replicas", lambda: deployment(cluster, "born-scaled").get("spec", {}).get("replicas") == 2, 60)
     settle(cluster, "born-scaled")
     fields = managed_fields(cluster, "born-scaled")
@@ -190,18 +170,18 @@ def test_a_resource_created_autoscaled_starts_at_min_replicas(cluster, operator)
 def test_a_quiet_hpa_is_not_re_applied_on_every_pass(cluster, operator) -> None:
     # v1.24 returns a dry-run apply of an autoscaling/v2 HPA with its first metric duplicated (kubernetes#118293):
     # compared naively, every reconcile re-applied the HPA and posted an Updated Event (found at 200 resources).
-    apply_md(cluster, "quiet-hpa", autoscaling={"enabled": True, "mode": "hpa", "minReplicas": 1, "maxReplicas": 3})
+    cluster.apply_md("quiet-hpa", autoscaling={"enabled": True, "mode": "hpa", "minReplicas": 1, "maxReplicas": 3})
     hpa = wait_for("the HPA", lambda: cluster.get("horizontalpodautoscaler", "quiet-hpa", NS), 60)
     assert len(hpa["spec"]["metrics"]) == 1
     settle(cluster, "quiet-hpa")
     version = cluster.get("horizontalpodautoscaler", "quiet-hpa", NS)["metadata"]["resourceVersion"]
     time.sleep(3 * INTERVAL)  # three periodic reconciles
     assert cluster.get("horizontalpodautoscaler", "quiet-hpa", NS)["metadata"]["resourceVersion"] == version
-    assert not [e for e in events(cluster, "quiet-hpa", "Updated") if "HorizontalPodAutoscaler" in e["message"]]
+    assert not [e for e in cluster.events("quiet-hpa", "Updated") if "HorizontalPodAutoscaler" in e["message"]]
 
 
 def test_deleting_the_resource_deletes_its_children(cluster, operator) -> None:
-    apply_md(cluster, "doomed", autoscaling={"enabled": True, "mode": "hpa", "maxReplicas": 3})
+    cluster.apply_md("doomed", autoscaling={"enabled": True, "mode": "hpa", "maxReplicas": 3})
     wait_for("the HPA", lambda: cluster.get("horizontalpodautoscaler", "doomed", NS), 60)
     cluster.kubectl("delete", "modeldeployment", "doomed", "-n", NS, "--wait=false")
 
@@ -212,25 +192,10 @@ def test_deleting_the_resource_deletes_its_children(cluster, operator) -> None:
     wait_for("the resource and its children to be gone", gone, 60)
 
 
-def pods_of(cluster: Cluster, name: str) -> list[dict[str, Any]]:
-    selector = f"pagoda.dev/model-deployment={name}"
-    return json.loads(cluster.kubectl("get", "pods", "-n", NS, "-l", selector, "-o", "json").stdout)["items"]
-
-
-def patch_pod_status(cluster: Cluster, pod: str, status: dict[str, Any]) -> None:
-    patch = json.dumps({"status": status})
-    cluster.kubectl("patch", "pod", pod, "-n", NS, "--subresource=status", "--type=merge", "-p", patch)
-
-
-def md_condition(cluster: Cluster, name: str, kind: str) -> dict[str, Any]:
-    body = cluster.get("modeldeployment", name, NS) or {}
-    return next((c for c in (body.get("status") or {}).get("conditions") or [] if c["type"] == kind), {})
-
-
 def test_ready_pods_make_the_resource_ready(cluster, operator) -> None:
-    apply_md(cluster, "ready", replicas=2, model={"servedModelName": "tiny"})
+    cluster.apply_md("ready", replicas=2, model={"servedModelName": "tiny"})
     pods = wait_for(
-        "the ReplicaSet's two pods", lambda: len(pods_of(cluster, "ready")) == 2 and pods_of(cluster, "ready")
+        "the ReplicaSet's two pods", lambda: len(cluster.pods_of("ready")) == 2 and cluster.pods_of("ready")
     )
     now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     for pod in pods:  # what the kubelet writes once the engine's readiness probe passes
@@ -250,21 +215,20 @@ def test_ready_pods_make_the_resource_ready(cluster, operator) -> None:
             {"type": t, "status": "True", "lastTransitionTime": now}
             for t in ("Initialized", "Ready", "ContainersReady")
         ]
-        patch_pod_status(
-            cluster, pod["metadata"]["name"], {"phase": "Running", "conditions": ready, "containerStatuses": containers}
-        )
+        status = {"phase": "Running", "conditions": ready, "containerStatuses": containers}
+        cluster.patch_pod_status(pod["metadata"]["name"], status)
     # The Deployment controller counts them; the operator's Deployment watch carries that to the resource.
-    wait_for("Ready", lambda: md_condition(cluster, "ready", "Ready").get("status") == "True", 60)
+    wait_for("Ready", lambda: cluster.md_condition("ready", "Ready").get("status") == "True", 60)
     status = cluster.get("modeldeployment", "ready", NS)["status"]
-    assert status["readyReplicas"] == 2 and md_condition(cluster, "ready", "Ready")["reason"] == "AllReplicasReady"
+    assert status["readyReplicas"] == 2 and cluster.md_condition("ready", "Ready")["reason"] == "AllReplicasReady"
     assert status["endpoint"] == f"http://ready.{NS}.svc.cluster.local:8000/v1"
     assert status["servedModelName"] == "tiny"
     assert status["selector"] == "app.kubernetes.io/instance=ready,app.kubernetes.io/name=pagoda-engine"
 
 
 def test_a_crash_looping_engine_is_model_load_failed(cluster, operator) -> None:
-    apply_md(cluster, "crashing")
-    pod = wait_for("the pod", lambda: pods_of(cluster, "crashing"), 60)[0]
+    cluster.apply_md("crashing")
+    pod = wait_for("the pod", lambda: cluster.pods_of("crashing"), 60)[0]
     container = {
         "name": "engine",
         "image": "engine",
@@ -274,10 +238,10 @@ def test_a_crash_looping_engine_is_model_load_failed(cluster, operator) -> None:
         "state": {"waiting": {"reason": "CrashLoopBackOff"}},
         "lastState": {"terminated": {"exitCode": 1, "reason": "Error", "message": "Traceback ... RuntimeError: boom"}},
     }
-    patch_pod_status(cluster, pod["metadata"]["name"], {"containerStatuses": [container]})
+    cluster.patch_pod_status(pod["metadata"]["name"], {"containerStatuses": [container]})
     found = wait_for(
         "ModelLoadFailed",
-        lambda: (c := md_condition(cluster, "crashing", "Degraded")).get("status") == "True" and c,
+        lambda: (c := cluster.md_condition("crashing", "Degraded")).get("status") == "True" and c,
         60,
     )
     assert found["reason"] == "ModelLoadFailed" and pod["metadata"]["name"] in found["message"]

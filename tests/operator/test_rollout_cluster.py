@@ -11,21 +11,20 @@ drawn at random from 127.0.0.0/8, so another run of these tests on the same mach
 
 from __future__ import annotations
 
-import json
 import random
 import threading
 import time
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 from typing import Any
 
 import pytest
-from control_plane import CLUSTER_SCRIPT, Cluster, cluster_with_crd, running_operator, wait_for
+from control_plane import CLUSTER_SCRIPT, Cluster, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not CLUSTER_SCRIPT.exists(), reason="needs ../shared/k8s/cluster")]
 
 NS = "pagoda-rollout"
+OPERATOR_ENV = {"PAGODA_AUTOSCALE_INTERVAL": "0.5"}
 ENGINE_PORT = 8000  # the port the Deployment's pods declare; each fake engine has its own loopback address
 COST = "controller.kubernetes.io/pod-deletion-cost"
 
@@ -65,19 +64,6 @@ class FakeEngine:
         self.server.server_close()
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory) -> Iterator[Cluster]:
-    with cluster_with_crd(tmp_path_factory.mktemp("k8s") / "cluster", NS) as cluster:
-        yield cluster
-
-
-@pytest.fixture(scope="module")
-def operator(cluster: Cluster, tmp_path_factory) -> Iterator[Path]:
-    log = tmp_path_factory.mktemp("operator") / "kopf.log"
-    with running_operator(cluster, NS, log, {"PAGODA_AUTOSCALE_INTERVAL": "0.5"}):
-        yield log
-
-
 @pytest.fixture()
 def engine() -> Iterator[Callable[[int, int], FakeEngine]]:
     """Starts fake engines (waiting, running) on free loopback addresses; all closed after the test."""
@@ -98,28 +84,11 @@ def engine() -> Iterator[Callable[[int, int], FakeEngine]]:
         fake.close()
 
 
-def apply_md(cluster: Cluster, name: str, **spec: Any) -> None:
-    """``kubectl apply`` of a ModelDeployment, as GitOps does: fields left out of a re-apply are removed."""
-    body = {"apiVersion": "pagoda.dev/v1alpha1", "kind": "ModelDeployment", "metadata": {"name": name}, "spec": spec}
-    cluster.kubectl("apply", "-n", NS, "-f", "-", stdin=json.dumps(body))
-
-
-def pods_of(cluster: Cluster, name: str) -> list[dict[str, Any]]:
-    """The resource's pods that are not being deleted."""
-    selector = f"pagoda.dev/model-deployment={name}"
-    items = json.loads(cluster.kubectl("get", "pods", "-n", NS, "-l", selector, "-o", "json").stdout)["items"]
-    return [p for p in items if not p["metadata"].get("deletionTimestamp")]
-
-
 def make_ready(cluster: Cluster, pod: dict[str, Any], ip: str, ready_since: float) -> None:
     """What the kubelet writes once the engine's readiness probe passes, with ``ip`` as the pod's IP."""
     stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ready_since))
     conditions = [{"type": t, "status": "True", "lastTransitionTime": stamp} for t in ("Ready", "ContainersReady")]
-    status = {"phase": "Running", "podIP": ip, "conditions": conditions}
-    patch = json.dumps({"status": status})
-    cluster.kubectl(
-        "patch", "pod", pod["metadata"]["name"], "-n", NS, "--subresource=status", "--type=merge", "-p", patch
-    )
+    cluster.patch_pod_status(pod["metadata"]["name"], {"phase": "Running", "podIP": ip, "conditions": conditions})
 
 
 def replicas(cluster: Cluster, name: str) -> int:
@@ -127,7 +96,7 @@ def replicas(cluster: Cluster, name: str) -> int:
 
 
 def test_a_disruption_budget_guards_two_replicas_and_goes_with_the_second(cluster, operator) -> None:
-    apply_md(cluster, "guarded", replicas=2)
+    cluster.apply_md("guarded", replicas=2)
     pdb = wait_for("the PodDisruptionBudget", lambda: cluster.get("poddisruptionbudget", "guarded", NS), 60)
     deployment = wait_for("the Deployment", lambda: cluster.get("deployment", "guarded", NS), 30)
     assert pdb["spec"]["maxUnavailable"] == 1
@@ -140,9 +109,9 @@ def test_a_disruption_budget_guards_two_replicas_and_goes_with_the_second(cluste
         lambda: (cluster.get("poddisruptionbudget", "guarded", NS).get("status") or {}).get("expectedPods") == 2,
         30,
     )
-    apply_md(cluster, "guarded", replicas=1)
+    cluster.apply_md("guarded", replicas=1)
     wait_for("the budget deleted", lambda: cluster.get("poddisruptionbudget", "guarded", NS) is None, 30)
-    apply_md(cluster, "guarded", autoscaling={"enabled": True, "mode": "hpa", "minReplicas": 2, "maxReplicas": 4})
+    cluster.apply_md("guarded", autoscaling={"enabled": True, "mode": "hpa", "minReplicas": 2, "maxReplicas": 4})
     wait_for("the budget back for minReplicas 2", lambda: cluster.get("poddisruptionbudget", "guarded", NS), 30)
 
 
@@ -158,13 +127,13 @@ def rollout_of(cluster: Cluster, name: str) -> tuple[dict[str, Any], int, str]:
 
 
 def test_rollout_bounds_and_drain_time_follow_the_spec(cluster, operator) -> None:
-    apply_md(cluster, "rolled", gpus=1)
+    cluster.apply_md("rolled", gpus=1)
     defaults = ({"maxSurge": 1, "maxUnavailable": 0}, 5 + 30 + 10, "30")  # a GPU model surges too, by default
     wait_for("the default rollout", lambda: rollout_of(cluster, "rolled") == defaults, 60)
-    apply_md(cluster, "rolled", gpus=1, rollout={"maxSurge": 0, "maxUnavailable": 1}, drainSeconds=120)
+    cluster.apply_md("rolled", gpus=1, rollout={"maxSurge": 0, "maxUnavailable": 1}, drainSeconds=120)
     changed = ({"maxSurge": 0, "maxUnavailable": 1}, 5 + 120 + 10, "120")
     wait_for("the chosen rollout and drain", lambda: rollout_of(cluster, "rolled") == changed, 30)
-    apply_md(cluster, "rolled", gpus=1)  # both removed from the spec: back to the defaults
+    cluster.apply_md("rolled", gpus=1)  # both removed from the spec: back to the defaults
     wait_for("the defaults again", lambda: rollout_of(cluster, "rolled") == defaults, 30)
 
 
@@ -176,14 +145,14 @@ BUILTIN = {"enabled": True, "mode": "builtin", "minReplicas": 1, "maxReplicas": 
 
 
 def test_scale_down_removes_the_idle_pod_and_keeps_the_busy_ones(cluster, operator, engine) -> None:
-    apply_md(cluster, "idle-first", autoscaling={**BUILTIN, "scaleDownStabilizationSeconds": 1})
-    (first,) = wait_for("the first pod", lambda: pods_of(cluster, "idle-first"), 60)
+    cluster.apply_md("idle-first", autoscaling={**BUILTIN, "scaleDownStabilizationSeconds": 1})
+    (first,) = wait_for("the first pod", lambda: cluster.pods_of("idle-first"), 60)
     oldest = engine(5, 1)  # a queue: scale up to 3 at once
     make_ready(cluster, first, oldest.ip, ready_since=time.time() - 600)
 
     def the_new_pods() -> list[dict[str, Any]]:
         # by name: creation timestamps have whole seconds, and the scale-up may come within the first pod's second
-        pods = [p for p in pods_of(cluster, "idle-first") if p["metadata"]["name"] != first["metadata"]["name"]]
+        pods = [p for p in cluster.pods_of("idle-first") if p["metadata"]["name"] != first["metadata"]["name"]]
         return pods if len(pods) == 2 else []
 
     new = wait_for("two more pods", the_new_pods, 30)
@@ -193,24 +162,23 @@ def test_scale_down_removes_the_idle_pod_and_keeps_the_busy_ones(cluster, operat
     # The oldest pod goes idle: 2 waiting in all, so one pod too many. Left to itself, the ReplicaSet controller
     # would delete one of the two pods that have been ready for less time; the deletion costs make it the idle one.
     oldest.set(waiting=0, running=0)
-    wait_for("the scale-down", lambda: len(pods_of(cluster, "idle-first")) == 2, 30)
+    wait_for("the scale-down", lambda: len(cluster.pods_of("idle-first")) == 2, 30)
     survivors = {
-        p["metadata"]["name"]: p["metadata"].get("annotations", {}).get(COST) for p in pods_of(cluster, "idle-first")
+        p["metadata"]["name"]: p["metadata"].get("annotations", {}).get(COST) for p in cluster.pods_of("idle-first")
     }
     assert survivors == {new[0]["metadata"]["name"]: "3", new[1]["metadata"]["name"]: "2"}
     assert replicas(cluster, "idle-first") == 2
 
 
 def test_quiet_autoscaler_ticks_write_nothing(cluster, operator, engine) -> None:
-    apply_md(cluster, "steady", autoscaling={**BUILTIN, "targetWaitingRequests": 4})
-    (pod,) = wait_for("the pod", lambda: pods_of(cluster, "steady"), 60)
+    cluster.apply_md("steady", autoscaling={**BUILTIN, "targetWaitingRequests": 4})
+    (pod,) = wait_for("the pod", lambda: cluster.pods_of("steady"), 60)
     steady = engine(1, 1)
     make_ready(cluster, pod, steady.ip, ready_since=time.time())
 
     def ready_and_measured() -> bool:
-        body = cluster.get("modeldeployment", "steady", NS) or {}
-        ready = [c for c in body.get("status", {}).get("conditions", []) if c["type"] == "Ready"]
-        return bool(ready) and ready[0]["status"] == "True" and decision(cluster, "steady").get("podsReady") == 1
+        ready = cluster.md_condition("steady", "Ready").get("status") == "True"
+        return ready and decision(cluster, "steady").get("podsReady") == 1
 
     wait_for("the resource Ready and measured", ready_and_measured, 30)
     version = cluster.get("modeldeployment", "steady", NS)["metadata"]["resourceVersion"]

@@ -10,9 +10,11 @@ first.
 from __future__ import annotations
 
 import argparse
+from importlib import resources
+from pathlib import Path
 from typing import Any
 
-import pagoda
+from pagoda.version import __version__
 
 CONTRACT_VERSION = 1
 MODEL_SOURCES = ("builtin", "local", "hf", "s3")
@@ -47,7 +49,7 @@ def capabilities(serve_parser: argparse.ArgumentParser) -> dict[str, Any]:
     """The contract as JSON-ready data; ``serve_parser`` is ``pagoda serve``'s, whose flags it lists."""
     return {
         "contract_version": CONTRACT_VERSION,
-        "engine_version": pagoda.__version__,
+        "engine_version": __version__,
         "model_sources": list(MODEL_SOURCES),
         "dtypes": list(DTYPES),
         "devices": {
@@ -80,9 +82,13 @@ def capabilities(serve_parser: argparse.ArgumentParser) -> dict[str, Any]:
     }
 
 
+def builtin_model_path() -> Path:
+    """The bundled stories260K checkpoint (MIT, see its README): the ``builtin`` model source."""
+    return Path(str(resources.files("pagoda") / "assets" / "models" / "stories260K"))
+
+
 def builtin_model_geometry() -> dict[str, int]:
     """The built-in model's sizes that tensor parallelism divides, so the operator can check them without it."""
-    from pagoda.config import builtin_model_path
     from pagoda.model_config import ModelConfig
 
     config = ModelConfig.from_model_dir(builtin_model_path())

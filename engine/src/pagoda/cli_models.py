@@ -1,29 +1,42 @@
-"""The model argument every command takes, ``pagoda download`` and ``pagoda capabilities``."""
+"""The engine's flags (the model argument among them, which every command takes), ``pagoda download`` and
+``pagoda capabilities``."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+from typing import Optional
 
-MODEL_HELP = (
-    "a local model directory, a Hugging Face id (org/name or hf://org/name) or s3://bucket/prefix "
-    "(default: the built-in stories260K)"
-)
+from pagoda.config import EngineArgs
+from pagoda.options import add_options, from_namespace
+
+# The flags `pagoda download` shares with the engine's: MODEL, and where and which version of it to download.
+MODEL_OPTIONS = ("model", "revision", "download_dir")
+# --help lists these first: the model, then what its weights and KV cache are stored as; the rest in field order.
+_LEADING_ENGINE_OPTIONS = (*MODEL_OPTIONS, "tokenizer", "dtype", "device", "quantization", "kv_cache_dtype")
+LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
 def add_model_arg(parser: argparse.ArgumentParser) -> None:
     """MODEL, and where and which version of it to download."""
-    parser.add_argument("model", nargs="?", default=None, help=MODEL_HELP)
-    parser.add_argument(
-        "--revision", default=None, help="Hugging Face branch, tag or commit; a commit pins the files (default: main)"
-    )
-    parser.add_argument(
-        "--download-dir",
-        default=None,
-        help="where downloads go (default: the Hugging Face cache under HF_HOME for Hub models, "
-        "$PAGODA_CACHE_DIR/models or ~/.cache/pagoda/models for S3)",
-    )
+    add_options(parser, EngineArgs, only=MODEL_OPTIONS)
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Engine flags, named like ``vllm serve``'s: one per field of :class:`~pagoda.config.EngineArgs`."""
+    add_options(parser, EngineArgs, only=_LEADING_ENGINE_OPTIONS)
+    add_options(parser, EngineArgs, exclude=_LEADING_ENGINE_OPTIONS)
+    add_log_level_arg(parser, "info", help="log level")
+
+
+def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
+    """The engine flags of a parsed command line (``--chat-template`` naming a file: the file's template)."""
+    return from_namespace(EngineArgs, ns)
+
+
+def add_log_level_arg(parser: argparse.ArgumentParser, default: str, help: Optional[str] = None) -> None:
+    parser.add_argument("--log-level", default=default, choices=list(LOG_LEVELS), help=help)
 
 
 def add_model_commands(sub, serve: argparse.ArgumentParser, formatter: type[argparse.HelpFormatter]) -> None:
@@ -34,26 +47,20 @@ def add_model_commands(sub, serve: argparse.ArgumentParser, formatter: type[argp
         formatter_class=formatter,
     )
     add_model_arg(download)
-    download.add_argument(
-        "--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log level"
-    )
+    add_log_level_arg(download, "info", help="log level")
     download.set_defaults(handler=_download)
     capabilities = sub.add_parser(
         "capabilities", help="what this engine can serve (the contract the operator checks specs against)"
     )
     capabilities.add_argument("--json", action="store_true", help="print JSON (the default is the same, indented)")
-    capabilities.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    add_log_level_arg(capabilities, "warning")
     capabilities.set_defaults(handler=lambda ns: _capabilities(ns, serve))
 
 
 def _download(ns: argparse.Namespace) -> int:
-    from pagoda.config import builtin_model_path
-    from pagoda.model_source import resolve_model
-
     # An init container runs this to fill the cache before the engine starts; with PAGODA_OFFLINE=1 it only checks
     # that the cache holds the model.
-    path = resolve_model(ns.model, ns.revision, ns.download_dir, builtin=builtin_model_path())
-    print(path)
+    print(EngineArgs(**{name: getattr(ns, name) for name in MODEL_OPTIONS}).resolved_model_path())
     return 0
 
 

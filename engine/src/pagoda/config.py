@@ -1,10 +1,13 @@
-"""Engine arguments (what a user sets, named like vLLM's flags) and their validation."""
+"""Engine arguments (what a user sets, named like vLLM's flags) and their validation.
+
+Each field of :class:`EngineArgs` is also the ``pagoda generate`` / ``pagoda serve`` flag of the same name (see
+:mod:`pagoda.options`): its default, choices and help are declared once, here.
+"""
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass, replace
-from importlib import resources
 from pathlib import Path
 from typing import Optional, Union
 
@@ -15,7 +18,10 @@ from pagoda.capabilities import (
     KV_CACHE_DTYPES,
     LORA_RANKS,
     QUANTIZATION_DEVICES,
+    TENSOR_PARALLEL_MAX,
+    builtin_model_path,
 )
+from pagoda.options import option
 
 DEFAULT_BLOCK_SIZE = 16
 # awq, gptq, fp8, int8 (see pagoda.quantization); the devices of each are in pagoda.capabilities
@@ -26,14 +32,17 @@ DEFAULT_CPU_KV_CACHE_MEMORY = 4 * 1024**3
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.92
 # How long a collective waits for a slow rank before the engine gives up on it (a dead or hung worker).
 DEFAULT_DISTRIBUTED_TIMEOUT_S = 60.0
+DTYPE_CHOICES = ("auto", "float32", "float", "bfloat16", "float16", "half")  # float, half: aliases
+DEVICE_CHOICES = ("auto", "cpu", "cuda")
+GENERATION_CONFIGS = ("auto", "vllm")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+MODEL_HELP = (
+    "a local model directory, a Hugging Face id (org/name or hf://org/name) or s3://bucket/prefix "
+    "(default: the built-in stories260K)"
+)
 
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2}
 _SIZE_UNITS |= {"g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4, "tb": 1000**4, "tib": 1024**4}
-
-
-def builtin_model_path() -> Path:
-    """The bundled stories260K checkpoint (MIT, see its README)."""
-    return Path(str(resources.files("pagoda") / "assets" / "models" / "stories260K"))
 
 
 def parse_size(value: Union[int, str]) -> int:
@@ -51,43 +60,124 @@ def parse_size(value: Union[int, str]) -> int:
     return size
 
 
+def check_quantization_tensor_parallel(
+    method: Optional[str], tensor_parallel_size: int, serialized: Optional[bool] = None
+) -> None:
+    """ValueError when a checkpoint's quantized tensors would be split over tensor-parallel ranks (not supported yet).
+
+    ``method`` is the quantization method (None: unquantized); ``serialized`` says whether the tensors come quantized
+    in the checkpoint, as the resolved quantization config knows. Left None (only the ``--quantization`` flag is
+    known), the methods that always come quantized in the checkpoint (awq, gptq) are refused.
+    """
+    if method is None or tensor_parallel_size <= 1:
+        return
+    if serialized is None:
+        serialized = method in CHECKPOINT_QUANTIZATIONS_WITHOUT_TENSOR_PARALLEL
+    if serialized:
+        raise ValueError(
+            f"{method} checkpoints are not sharded across tensor-parallel ranks yet: use --tensor-parallel-size 1"
+        )
+
+
+def _chat_template_flag(value: Optional[str]) -> Optional[str]:
+    """--chat-template takes a template or the path of one: a value without braces or newlines is read as a path."""
+    if value is None or "{" in value or "\n" in value:
+        return value
+    with open(value, encoding="utf-8") as f:
+        return f.read()
+
+
 @dataclass(slots=True)
 class EngineArgs:
     """Everything that configures an engine. ``None`` means "derive a sane default"."""
 
-    model: Optional[str] = None  # local dir, HF id (org/name, hf://), s3://bucket/prefix; None: built-in stories260K
-    tokenizer: Optional[str] = None  # the same forms; None: the model's
-    revision: Optional[str] = None  # Hugging Face branch, tag or commit (a commit pins it)
-    download_dir: Optional[str] = None  # where downloads go (default: the Hugging Face cache, ~/.cache/pagoda/models)
-    dtype: str = "auto"
-    device: str = "auto"  # auto | cpu | cuda
-    max_model_len: Optional[int] = None
-    block_size: int = DEFAULT_BLOCK_SIZE
-    kv_cache_memory: Union[None, int, str] = None  # CPU KV budget in bytes (default 4 GiB or what is needed)
-    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
-    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
-    max_num_batched_tokens: Optional[int] = None
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
-    seed: int = 0
-    chat_template: Optional[str] = None
-    generation_config: str = "auto"  # auto: the model's generation_config.json supplies defaults; vllm: ignore it
-    attention_backend: str = "auto"  # auto (triton on CUDA, torch on CPU) | torch | triton
-    enforce_eager: bool = False  # True: never capture CUDA graphs (every step runs eagerly)
-    # None: the checkpoint's own (config.json's quantization_config), else unquantized | awq | gptq | fp8 | int8
-    quantization: Optional[str] = None
-    kv_cache_dtype: str = "auto"  # auto (the model's dtype) | fp8_e4m3 | fp8_e5m2 (per-tensor scales)
-    # Structured outputs: the longest run of whitespace a JSON output may hold between tokens (0: compact JSON).
-    structured_output_max_whitespace: int = 0
+    model: Optional[str] = option(None, MODEL_HELP, positional=True)
+    tokenizer: Optional[str] = option(None, "tokenizer: the same forms as MODEL (default: the model's)")
+    revision: Optional[str] = option(
+        None, "Hugging Face branch, tag or commit; a commit pins the files (default: main)"
+    )
+    download_dir: Optional[str] = option(
+        None,
+        "where downloads go (default: the Hugging Face cache under HF_HOME for Hub models, "
+        "$PAGODA_CACHE_DIR/models or ~/.cache/pagoda/models for S3)",
+    )
+    dtype: str = option("auto", "weights and activations; auto: the checkpoint's dtype", choices=DTYPE_CHOICES)
+    device: str = option("auto", "auto: CUDA when available", choices=DEVICE_CHOICES)
+    max_model_len: Optional[int] = option(None, "default: the model's max_position_embeddings")
+    block_size: int = option(DEFAULT_BLOCK_SIZE, "tokens per KV block")
+    kv_cache_memory: Union[None, int, str] = option(
+        None, "CPU KV cache budget, e.g. 2GiB (default: 4GiB, or less if max-num-seqs full sequences need less)"
+    )
+    gpu_memory_utilization: float = option(
+        DEFAULT_GPU_MEMORY_UTILIZATION, "fraction of GPU memory for weights, activations and KV cache"
+    )
+    max_num_seqs: int = option(DEFAULT_MAX_NUM_SEQS, "sequences per step")
+    max_num_batched_tokens: Optional[int] = option(
+        None, f"token budget per step (default: {DEFAULT_MAX_NUM_BATCHED_TOKENS} with chunked prefill)"
+    )
+    enable_prefix_caching: bool = option(True, "reuse cached KV blocks")
+    enable_chunked_prefill: bool = option(True, "split long prompts over steps so decodes keep flowing")
+    seed: int = option(0, "seeds the engine's RNG (unseeded requests)")
+    # Inline from Python; on the command line also the path of a template file.
+    chat_template: Optional[str] = option(
+        None, "a Jinja chat template (file path or inline)", parse=_chat_template_flag
+    )
+    generation_config: str = option(
+        "auto",
+        "auto: the model's generation_config.json sets default sampling params; vllm: ignore it",
+        choices=GENERATION_CONFIGS,
+    )
+    attention_backend: str = option(
+        "auto", "attention kernels; auto: triton on CUDA, torch on CPU", choices=ATTENTION_BACKENDS
+    )
+    enforce_eager: bool = option(False, "run every step eagerly (no CUDA graphs for decode steps)")
+    quantization: Optional[str] = option(
+        None,
+        "default: the checkpoint's (config.json quantization_config). awq, gptq: int4/int8 checkpoints; fp8: an "
+        "FP8 checkpoint, or FP8 applied at load; int8: weight-only int8 applied at load (CPU)",
+        short="-q",
+        choices=QUANTIZATIONS,
+    )
+    kv_cache_dtype: str = option(
+        "auto",
+        "auto: the model's dtype; fp8_e4m3 / fp8_e5m2: FP8 KV blocks (twice the tokens; per-tensor scales from "
+        "the checkpoint, else 1.0)",
+        choices=KV_CACHE_DTYPES,
+    )
+    structured_output_max_whitespace: int = option(
+        0,
+        "structured outputs: longest run of free whitespace between JSON tokens; 0 (default): JSON as "
+        "json.dumps writes it, which no model can pad with whitespace until max_tokens",
+    )
     # LoRA adapters (see pagoda.lora): off unless enabled; the slots and caches are sized here.
-    enable_lora: bool = False
-    max_loras: int = DEFAULT_MAX_LORAS  # adapters resident at once (and the most one step may mix)
-    max_lora_rank: int = DEFAULT_MAX_LORA_RANK
-    max_cpu_loras: Optional[int] = None  # adapters kept in host memory; None: max_loras
-    # Tensor parallelism: one model over this many devices (CPU: processes), one worker process per extra rank.
-    tensor_parallel_size: int = 1
-    # A collective that waits longer than this for a rank (dead or hung) fails, and the engine with it.
-    distributed_timeout_seconds: float = DEFAULT_DISTRIBUTED_TIMEOUT_S
+    enable_lora: bool = option(False, "serve LoRA adapters next to the base model")
+    max_loras: int = option(
+        DEFAULT_MAX_LORAS, "adapters resident in the device's slots at once; one step never mixes more"
+    )
+    max_lora_rank: int = option(
+        DEFAULT_MAX_LORA_RANK, "the largest adapter rank served (the slots' width): one of 8, 16, 32, 64, 128, 256"
+    )
+    max_cpu_loras: Optional[int] = option(
+        None,
+        "adapters kept loaded in host memory (default: max-loras); beyond it the least recently used is "
+        "read again from disk when next needed",
+    )
+    tensor_parallel_size: int = option(
+        1,
+        "split the model over this many devices (CPU: processes sharing the cores), one process each; it must "
+        "divide the model's attention heads and intermediate size",
+        short="-tp",
+    )
+    distributed_timeout_seconds: float = option(
+        DEFAULT_DISTRIBUTED_TIMEOUT_S,
+        "tensor parallelism: a rank that does not reach a collective within this time (dead or hung) stops "
+        "the engine, and the server exits non-zero",
+    )
+
+    @property
+    def lora_slots(self) -> int:
+        """The adapters one step may hold (the device's LoRA slots): ``max_loras`` with LoRA enabled, else 0."""
+        return self.max_loras if self.enable_lora else 0
 
     def resolved_model_path(self) -> Path:
         """The local folder of the model, downloading it first when it is remote (see ``pagoda.model_source``)."""
@@ -116,9 +206,9 @@ class EngineArgs:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.kv_cache_memory is not None:
             self.kv_cache_memory = parse_size(self.kv_cache_memory)
-        if self.device not in ("auto", "cpu", "cuda"):
+        if self.device not in DEVICE_CHOICES:
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
-        if self.generation_config not in ("auto", "vllm"):
+        if self.generation_config not in GENERATION_CONFIGS:
             raise ValueError(f"generation_config must be 'auto' or 'vllm', got {self.generation_config!r}")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ValueError(
@@ -132,12 +222,10 @@ class EngineArgs:
             )
         self._validate_lora()
         self._validate_parallelism()
-        if self.attention_backend not in ("auto", "torch", "triton"):
+        if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")
 
     def _validate_parallelism(self) -> None:
-        from pagoda.capabilities import TENSOR_PARALLEL_MAX
-
         if not 1 <= self.tensor_parallel_size <= TENSOR_PARALLEL_MAX:
             raise ValueError(
                 f"tensor_parallel_size must be between 1 and {TENSOR_PARALLEL_MAX}, got {self.tensor_parallel_size}"
@@ -147,11 +235,7 @@ class EngineArgs:
                 "LoRA adapters are not served with tensor parallelism yet: use --tensor-parallel-size 1 with "
                 "--enable-lora"
             )
-        if self.tensor_parallel_size > 1 and self.quantization in CHECKPOINT_QUANTIZATIONS_WITHOUT_TENSOR_PARALLEL:
-            raise ValueError(
-                f"{self.quantization} checkpoints are not sharded across tensor-parallel ranks yet: use "
-                "--tensor-parallel-size 1"
-            )
+        check_quantization_tensor_parallel(self.quantization, self.tensor_parallel_size)
         if self.distributed_timeout_seconds <= 0:
             raise ValueError(f"distributed_timeout_seconds must be positive, got {self.distributed_timeout_seconds}")
 
@@ -190,5 +274,4 @@ class SchedulerConfig:
                 f"without chunked prefill, max_num_batched_tokens ({budget}) must be at least "
                 f"max_model_len ({max_model_len}) so that every prompt fits in one step"
             )
-        max_loras = args.max_loras if args.enable_lora else 0
-        return SchedulerConfig(args.max_num_seqs, budget, max_model_len, args.enable_chunked_prefill, max_loras)
+        return SchedulerConfig(args.max_num_seqs, budget, max_model_len, args.enable_chunked_prefill, args.lora_slots)

@@ -13,18 +13,23 @@ from safetensors import safe_open
 from torch import nn
 from tqdm.auto import tqdm
 
+from pagoda.attention.protocol import AttentionBackend
+from pagoda.config import check_quantization_tensor_parallel
 from pagoda.distributed.parallel import SINGLE, TensorParallel
-from pagoda.layers.linear import linear_weights_on_meta, materialize_linear_weights
+from pagoda.layers.linear import Linear, MergedLinear, linear_weights_on_meta, materialize_linear_weights
 from pagoda.model_config import ModelConfig
 from pagoda.models.registry import get_model_class
+from pagoda.models.weights import FUSED_MODULES
+from pagoda.quantization.config import QuantConfig
+from pagoda.quantization.formats import QUANT_TENSOR_SUFFIXES, is_quantized_module
 from pagoda.quantization.loading import (
     KV_SCALE_SUFFIXES,
+    QuantizedLoad,
+    QuantizedSource,
     apply_kv_scales,
-    attach_quantized_sources,
     checkpoint_tensor_names,
     quant_config_for,
 )
-from pagoda.worker.attention import AttentionBackend
 
 _INDEX_FILE = "model.safetensors.index.json"
 _SINGLE_FILE = "model.safetensors"
@@ -92,10 +97,8 @@ def load_model(
     """
     config = config if config is not None else ModelConfig.from_model_dir(model_dir)
     quant = quant_config_for(model_dir, quantization)
-    if quant is not None and quant.serialized and tp.world_size > 1:
-        raise ValueError(
-            f"{quant.method} checkpoints are not sharded across tensor-parallel ranks yet: use --tensor-parallel-size 1"
-        )
+    if quant is not None:  # the engine checked the flag; only the checkpoint says whether its tensors are quantized
+        check_quantization_tensor_parallel(quant.method, tp.world_size, quant.serialized)
     model_cls = get_model_class(config.architecture)
     serialized = quant is not None and quant.serialized
     with torch.device(device), linear_weights_on_meta() if serialized else contextlib.nullcontext():
@@ -119,3 +122,47 @@ def load_model(
     model.load_weights(weights())
     apply_kv_scales(model, kv_scales)
     return model.eval()
+
+
+def attach_quantized_sources(model: nn.Module, config: QuantConfig, names: set[str]) -> QuantizedLoad:
+    """Give every layer the checkpoint quantizes a :class:`~pagoda.quantization.loading.QuantizedSource` in place of
+    its dense weight (:meth:`~pagoda.layers.linear.Linear.hold_quantized_source`); return the router for the
+    checkpoint's tensors. ``names``: every tensor name of the checkpoint."""
+    assert config.serialized, config
+    sources: list[QuantizedSource] = []
+    for module_name, layer in model.named_modules():
+        if not isinstance(layer, Linear) or layer.weight is None:
+            continue
+        hf_modules = _hf_modules(module_name, layer)
+        quantized = [is_quantized_module(config.method, names, hf) for hf in hf_modules]
+        if not any(quantized):
+            continue
+        if not all(quantized):
+            raise ValueError(
+                f"checkpoint quantizes only some of {', '.join(hf_modules)}, which Pagoda runs as one fused "
+                "projection; quantize all of them or none"
+            )
+        if _is_tied(model, layer):
+            raise ValueError(f"{module_name} shares the embedding's weight and cannot be quantized separately")
+        source = QuantizedSource(config, hf_modules)
+        layer.hold_quantized_source(source)
+        sources.append(source)
+    if not sources:
+        raise ValueError(
+            f"config.json says the checkpoint is {config.method}-quantized, but no layer has quantized tensors "
+            f"({', '.join(QUANT_TENSOR_SUFFIXES[config.method])})"
+        )
+    return QuantizedLoad(config, sources)
+
+
+def _hf_modules(module_name: str, layer: Linear) -> tuple[str, ...]:
+    """The checkpoint module(s) that fill ``module_name``: one per part of a fused projection."""
+    prefix, _, leaf = module_name.rpartition(".")
+    if isinstance(layer, MergedLinear) and leaf in FUSED_MODULES:
+        return tuple(f"{prefix}.{part}" if prefix else part for part in FUSED_MODULES[leaf])
+    return (module_name,)
+
+
+def _is_tied(model: nn.Module, layer: Linear) -> bool:
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    return embed is not None and layer.weight is embed.weight

@@ -190,3 +190,15 @@ def _is_number(value: object) -> bool:
 def _check(ok: bool, message: str) -> None:
     if not ok:
         raise ValueError(message)
+
+
+def validate_for_vocab(params: SamplingParams, vocab_size: int) -> None:
+    """Reject (ValueError) token ids in ``params`` that the model's vocabulary does not have.
+
+    SamplingParams cannot check this alone; the engine calls it when a request arrives so a
+    bad request is refused instead of failing a whole batch in the sampler.
+    """
+    for name, ids in (("logit_bias", params.logit_bias or {}), ("stop_token_ids", params.stop_token_ids or [])):
+        bad = sorted(t for t in ids if not 0 <= t < vocab_size)
+        if bad:
+            raise ValueError(f"{name} has token ids outside the vocabulary (size {vocab_size}): {bad[:10]}.")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -54,6 +55,22 @@ def encode_prompt(tokenizer: Any, text: str, add_special_tokens: bool = True) ->
         raise ValueError(f"the prompt could not be tokenized ({type(exc).__name__})") from exc
 
 
+@dataclass(frozen=True, slots=True)
+class ChatRenderOptions:
+    """What a chat hands its template besides the messages (picklable: the server's tokenizer pool sends it).
+
+    ``continue_final_message`` leaves the last (assistant) message open for the model to continue;
+    ``template_kwargs`` are extra template variables (e.g. Qwen3's ``enable_thinking``).
+    """
+
+    tools: Optional[list[dict[str, Any]]] = None
+    continue_final_message: bool = False
+    template_kwargs: Optional[dict[str, Any]] = None
+
+
+_NO_OPTIONS = ChatRenderOptions()
+
+
 def apply_chat_template(
     tokenizer: Any,
     messages: list[dict[str, Any]],
@@ -67,13 +84,13 @@ def apply_chat_template(
 
     ``chat_template`` overrides the tokenizer's own. Message content may be a string or a list
     of ``{"type": "text", "text": ...}`` parts, which are joined. The rendered prompt already
-    holds any special tokens the template wants, so none are added when tokenizing.
+    holds any special tokens the template wants, so none are added when tokenizing. The other
+    arguments are :class:`ChatRenderOptions`'.
     """
     if chat_template is None and not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model has no chat template; pass chat_template=... (a Jinja template string).")
-    text = render_chat_template(
-        tokenizer, messages, chat_template, add_generation_prompt, tools, continue_final_message, template_kwargs
-    )
+    options = ChatRenderOptions(tools, continue_final_message, template_kwargs)
+    text = render_chat_template(tokenizer, messages, chat_template, add_generation_prompt, options)
     return encode_prompt(tokenizer, text, False)
 
 
@@ -82,27 +99,22 @@ def render_chat_template(
     messages: list[dict[str, Any]],
     chat_template: Optional[str] = None,
     add_generation_prompt: bool = True,
-    tools: Optional[list[dict[str, Any]]] = None,
-    continue_final_message: bool = False,
-    template_kwargs: Optional[dict[str, Any]] = None,
+    options: ChatRenderOptions = _NO_OPTIONS,
 ) -> str:
-    """The prompt text the chat template makes of ``messages``; ValueError for messages it refuses.
-
-    ``continue_final_message`` leaves the last (assistant) message open for the model to continue;
-    ``template_kwargs`` are extra template variables (e.g. Qwen3's ``enable_thinking``).
-    """
+    """The prompt text the chat template makes of ``messages``; ValueError for messages it refuses."""
     normalized = normalize_messages(messages)
+    template_kwargs = options.template_kwargs or {}
     _check_strings(normalized, "messages")
-    _check_strings(template_kwargs or {}, "chat_template_kwargs")
+    _check_strings(template_kwargs, "chat_template_kwargs")
     try:
         return tokenizer.apply_chat_template(
             normalized,
             chat_template=chat_template,
             add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message,
-            tools=tools,
+            continue_final_message=options.continue_final_message,
+            tools=options.tools,
             tokenize=False,
-            **(template_kwargs or {}),
+            **template_kwargs,
         )
     except jinja2.TemplateError as exc:  # raise_exception() in the template: its message is for the user
         raise ValueError(f"the chat template refused these messages: {exc}") from None

@@ -11,6 +11,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from pagoda_kernels.host import unit_last_stride
+
 _BLOCK = 1024  # most elements of one row per program
 
 
@@ -49,9 +51,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty((*x.shape[:-1], inter), dtype=x.dtype, device=x.device)
     if out.numel() == 0:
         return out
-    rows = x.reshape(-1, x.shape[-1])  # [num_rows, 2 * inter]; a view whenever one exists
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
+    rows = unit_last_stride(x.reshape(-1, x.shape[-1]))  # [num_rows, 2 * inter]; a view whenever one exists
     block = min(_BLOCK, triton.next_power_of_2(inter))
     grid = (rows.shape[0], triton.cdiv(inter, block))
     _silu_and_mul_kernel[grid](rows, out, inter, rows.stride(0), BLOCK=block, num_warps=4 if block >= 512 else 1)

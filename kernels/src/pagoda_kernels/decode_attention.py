@@ -34,15 +34,15 @@ so the call can be captured in a CUDA graph and is correct for any seq_lens what
 
 from __future__ import annotations
 
-import functools
 import math
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import triton
 import triton.language as tl
 
-from pagoda_kernels.kv_write import FP8_NONE, fp8_decode, fp8_format, fp8_read_factor, kernel_view
+from pagoda_kernels.fp8_codes import FP8_NONE, fp8_decode, fp8_format, fp8_read_factor, kernel_view
+from pagoda_kernels.host import dot_precision, host_wrapper, sm_count, unit_last_stride
 
 _LOG2E = math.log2(math.e)
 _NO_WINDOW = 2**31 - 1  # a sliding window wider than any context
@@ -160,13 +160,6 @@ def _decode_merge_kernel(
     tl.store(out_ptr + seq * stride_os + head * stride_oh + offs_d, result.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 132  # interpreter: any plausible value (it only sizes the grid)
-
-
 def _tile_len(block_size: int, block_d: int) -> int:
     # 64 positions of head_dim <= 128 keep the K and V tiles in registers; a tile never splits a KV block.
     return max(block_size, 64 if block_d <= 128 else 32)
@@ -179,20 +172,46 @@ def default_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, devic
     Host-only arithmetic on Python ints (no device reads).
     """
     programs = max(1, num_seqs * num_kv_heads)
-    by_occupancy = triton.cdiv(_num_sms(device) * _WAVES, programs)
+    sms = sm_count(device) if device.type == "cuda" else 132  # interpreter: any plausible value (it sizes the grid)
+    by_occupancy = triton.cdiv(sms * _WAVES, programs)
     by_length = triton.cdiv(max(1, max_seq_len), _MIN_SPLIT_TOKENS)
     return max(1, min(by_occupancy, by_length, _MAX_SPLITS))
 
 
-def _check_inputs(
+class _Decode(NamedTuple):
+    """One checked :func:`paged_decode_attention` call."""
+
+    q: torch.Tensor  # [num_seqs, num_heads, head_dim]
+    kv_cache: torch.Tensor  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32/int64
+    seq_lens: torch.Tensor  # [num_seqs]
+    scale: float
+    sliding_window: Optional[int]
+    max_seq_len: Optional[int]  # a bound on seq_lens that sizes num_splits (launch tuning only)
+    num_splits: Optional[int]
+    out: Optional[torch.Tensor]
+    k_scale: float  # 1.0 unless the cache is fp8 (other caches ignore the scales)
+    v_scale: float
+
+    @property
+    def fp8(self) -> int:
+        return fp8_format(self.kv_cache.dtype)
+
+
+def _decode_call(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
-    sliding_window: Optional[int],
-    num_splits: Optional[int],
-    out: Optional[torch.Tensor],
-) -> None:
+    scale: float,
+    sliding_window: Optional[int] = None,
+    max_seq_len: Optional[int] = None,
+    num_splits: Optional[int] = None,
+    out: Optional[torch.Tensor] = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> _Decode:
+    """The front of :func:`paged_decode_attention` and its reference: shapes and dtypes checked (no values read)."""
     if q.dim() != 3:
         raise ValueError(f"q must be [num_seqs, num_heads, head_dim], got {tuple(q.shape)}")
     if kv_cache.dim() != 5 or kv_cache.shape[0] != 2 or kv_cache.shape[4] != q.shape[2]:
@@ -213,21 +232,14 @@ def _check_inputs(
         raise ValueError(f"num_splits must be >= 1 or None, got {num_splits}")
     if out is not None and (out.shape != q.shape or out.dtype != q.dtype):
         raise ValueError(f"out must be {tuple(q.shape)} {q.dtype}, got {tuple(out.shape)} {out.dtype}")
+    if fp8_format(kv_cache.dtype) == FP8_NONE:
+        k_scale = v_scale = 1.0
+    args = (q, kv_cache, block_tables, seq_lens, scale, sliding_window, max_seq_len, num_splits, out)
+    return _Decode(*args, k_scale, v_scale)
 
 
-def paged_decode_attention(
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    sliding_window: Optional[int] = None,
-    max_seq_len: Optional[int] = None,
-    num_splits: Optional[int] = None,
-    out: Optional[torch.Tensor] = None,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
-) -> torch.Tensor:
+@host_wrapper(_decode_call)
+def paged_decode_attention(call: _Decode) -> torch.Tensor:
     """Attention of one query token per sequence over its paged context (flash-decoding, two stages).
 
     q: [num_seqs, num_heads, head_dim]; kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim];
@@ -238,49 +250,42 @@ def paged_decode_attention(
     them); other caches ignore the scales. Returns ``out`` ([num_seqs, num_heads, head_dim], q.dtype), allocated
     when None.
     """
-    _check_inputs(q, kv_cache, block_tables, seq_lens, sliding_window, num_splits, out)
-    num_seqs, num_heads, head_dim = q.shape
-    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
-    if kv_cache.stride(-1) != 1:
+    num_seqs, num_heads, head_dim = call.q.shape
+    block_size, num_kv_heads = call.kv_cache.shape[2], call.kv_cache.shape[3]
+    if call.kv_cache.stride(-1) != 1:
         raise ValueError("kv_cache must be contiguous in head_dim")
-    if out is None:
-        out = torch.empty_like(q)
-    elif out.stride(-1) != 1:
+    if call.out is not None and call.out.stride(-1) != 1:
         raise ValueError("out must be contiguous in head_dim")
+    out = call.out if call.out is not None else torch.empty_like(call.q)
     if num_seqs == 0:
         return out
-    q = q if q.stride(-1) == 1 else q.contiguous()
-    block_tables = block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
-    seq_lens = seq_lens.contiguous()
-
-    group = num_heads // num_kv_heads
+    q, block_tables = unit_last_stride(call.q), unit_last_stride(call.block_tables)
+    seq_lens = call.seq_lens.contiguous()
     block_d = max(16, triton.next_power_of_2(head_dim))
-    block_n = _tile_len(block_size, block_d)
+    num_splits = call.num_splits
     if num_splits is None:
-        bound = max_seq_len if max_seq_len is not None else block_tables.shape[1] * block_size
+        bound = call.max_seq_len if call.max_seq_len is not None else block_tables.shape[1] * block_size
         num_splits = default_num_splits(num_seqs, num_kv_heads, bound, q.device)
     if num_splits == 1:
         part, lse = out, out  # stage 1 writes the output itself; lse is unused
     else:
         part = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
         lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
-    fp8 = fp8_format(kv_cache.dtype)
+    fp8, scale, v_factor = call.fp8, call.scale, 1.0
     if fp8 != FP8_NONE:
-        scale, v_factor = scale * k_scale * fp8_read_factor(fp8), v_scale * fp8_read_factor(fp8)
-    else:
-        v_factor = 1.0
-    codes = kernel_view(kv_cache)
+        scale, v_factor = scale * call.k_scale * fp8_read_factor(fp8), call.v_scale * fp8_read_factor(fp8)
+    codes = kernel_view(call.kv_cache)
     key_cache, value_cache = codes[0], codes[1]  # [num_blocks, block_size, num_kv_heads, head_dim]
+    window = call.sliding_window if call.sliding_window is not None else _NO_WINDOW
+    group = num_heads // num_kv_heads
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, key_cache, value_cache, block_tables, seq_lens, part, lse,
-        scale * _LOG2E, sliding_window if sliding_window is not None else _NO_WINDOW, v_factor,
+        q, key_cache, value_cache, block_tables, seq_lens, part, lse, scale * _LOG2E, window, v_factor,
         q.stride(0), q.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
         part.stride(0), part.stride(1), part.stride(2) if num_splits > 1 else 0,
         lse.stride(0) if num_splits > 1 else 0, lse.stride(1) if num_splits > 1 else 0,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, NUM_SPLITS=num_splits,
-        BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
-        DIRECT=num_splits == 1, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FP8=fp8,
-        num_warps=4, num_stages=2,
+        BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=_tile_len(block_size, block_d), BLOCK_D=block_d,
+        DIRECT=num_splits == 1, DOT_PRECISION=dot_precision(q.dtype), FP8=fp8, num_warps=4, num_stages=2,
     )  # fmt: skip
     if num_splits > 1:
         _decode_merge_kernel[(num_seqs, num_heads)](
@@ -292,44 +297,31 @@ def paged_decode_attention(
     return out
 
 
-def paged_decode_attention_reference(
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    sliding_window: Optional[int] = None,
-    max_seq_len: Optional[int] = None,
-    num_splits: Optional[int] = None,
-    out: Optional[torch.Tensor] = None,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
-) -> torch.Tensor:
+@host_wrapper(_decode_call)
+def paged_decode_attention_reference(call: _Decode) -> torch.Tensor:
     """Plain-torch :func:`paged_decode_attention` (the spec): one sequence at a time, fp32 softmax.
 
     max_seq_len and num_splits are accepted for signature parity and ignored.
     """
-    _check_inputs(q, kv_cache, block_tables, seq_lens, sliding_window, num_splits, out)
+    q, kv_cache, block_tables, window = call.q, call.kv_cache, call.block_tables, call.sliding_window
     num_seqs, num_heads, head_dim = q.shape
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     group = num_heads // num_kv_heads
-    if fp8_format(kv_cache.dtype) == FP8_NONE:
-        k_scale = v_scale = 1.0
     result = torch.zeros(num_seqs, num_heads, head_dim, dtype=torch.float32, device=q.device)
-    for i, seq_len in enumerate(seq_lens.tolist()):
-        first = 0 if sliding_window is None else max(0, seq_len - sliding_window)
+    for i, seq_len in enumerate(call.seq_lens.tolist()):
+        first = 0 if window is None else max(0, seq_len - window)
         pos = torch.arange(first, seq_len, device=q.device)
         blocks = block_tables[i, pos // block_size].long()
-        keys = kv_cache[0, blocks, pos % block_size].float() * k_scale  # [n, num_kv_heads, head_dim]
-        values = kv_cache[1, blocks, pos % block_size].float() * v_scale
+        keys = kv_cache[0, blocks, pos % block_size].float() * call.k_scale  # [n, num_kv_heads, head_dim]
+        values = kv_cache[1, blocks, pos % block_size].float() * call.v_scale
         if len(pos) == 0:  # padding row: zeros
             continue
         # Query head h reads KV head h // group.
         keys = keys.repeat_interleave(group, dim=1)  # [n, num_heads, head_dim]
         values = values.repeat_interleave(group, dim=1)
-        scores = torch.einsum("hd,nhd->hn", q[i].float(), keys) * scale  # [num_heads, n]
+        scores = torch.einsum("hd,nhd->hn", q[i].float(), keys) * call.scale  # [num_heads, n]
         result[i] = torch.einsum("hn,nhd->hd", scores.softmax(dim=-1), values)
-    if out is None:
+    if call.out is None:
         return result.to(q.dtype)
-    out.copy_(result)
-    return out
+    call.out.copy_(result)
+    return call.out

@@ -31,13 +31,14 @@ Algorithm (FlashAttention-2 style, one pass, online softmax in fp32 with ``exp2`
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import triton
 import triton.language as tl
 
-from pagoda_kernels.kv_write import FP8_NONE, fp8_decode, fp8_format, fp8_read_factor, kernel_view
+from pagoda_kernels.fp8_codes import FP8_NONE, fp8_decode, fp8_format, fp8_read_factor, kernel_view
+from pagoda_kernels.host import dot_precision, host_wrapper, unit_last_stride
 
 _LOG2E = 1.4426950408889634
 
@@ -146,17 +147,47 @@ def _extend_attention_kernel(
     tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
 
 
-def _check_inputs(
+def _tile_config(device: torch.device, max_rows: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps) for a launch whose longest request has ``max_rows`` folded rows."""
+    if device.type != "cuda":
+        # Triton interpreter: small tiles keep numpy's work per op small and let small test shapes
+        # still span several query and key tiles.
+        return 16, 16, 1
+    block_m = min(64, max(16, triton.next_power_of_2(max_rows)))
+    return block_m, 64, 4
+
+
+class _Extend(NamedTuple):
+    """One checked :func:`paged_extend_attention` call."""
+
+    q: torch.Tensor  # [num_tokens, num_heads, head_dim]
+    kv_cache: torch.Tensor  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor  # [num_reqs, max_blocks] int32/int64
+    query_start_loc: torch.Tensor  # [num_reqs + 1] int32
+    seq_lens: torch.Tensor  # [num_reqs] int32
+    max_query_len: int
+    scale: float
+    sliding_window: Optional[int]
+    out: Optional[torch.Tensor]
+    k_scale: float  # 1.0 unless the cache is fp8 (other caches ignore the scales)
+    v_scale: float
+
+
+def _extend_call(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
     block_tables: torch.Tensor,
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
     max_query_len: int,
-    sliding_window: Optional[int],
-    out: Optional[torch.Tensor],
-) -> None:
-    """Validate shapes and dtypes only (no device->host sync): raises ValueError on bad input."""
+    scale: float,
+    sliding_window: Optional[int] = None,
+    out: Optional[torch.Tensor] = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> _Extend:
+    """The front of :func:`paged_extend_attention` and its reference: shapes and dtypes checked (no device->host
+    sync); raises ValueError on bad input."""
     if q.dim() != 3:
         raise ValueError(f"q must be [num_tokens, num_heads, head_dim], got shape {tuple(q.shape)}")
     if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
@@ -169,7 +200,8 @@ def _check_inputs(
         raise ValueError(f"head_dim mismatch: q has {head_dim}, kv_cache has {kv_cache.shape[4]}")
     if num_heads % num_kv_heads != 0:
         raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
-    if kv_cache.dtype != q.dtype and fp8_format(kv_cache.dtype) == FP8_NONE:
+    fp8 = fp8_format(kv_cache.dtype)
+    if kv_cache.dtype != q.dtype and fp8 == FP8_NONE:
         raise ValueError(f"kv_cache dtype {kv_cache.dtype} differs from q dtype {q.dtype} (and is not fp8)")
     num_reqs = seq_lens.shape[0]
     if seq_lens.dim() != 1 or query_start_loc.shape != (num_reqs + 1,):
@@ -187,31 +219,14 @@ def _check_inputs(
         raise ValueError(f"sliding_window must be positive or None, got {sliding_window}")
     if out is not None and (out.shape != q.shape or out.dtype != q.dtype):
         raise ValueError(f"out must match q ({tuple(q.shape)}, {q.dtype}), got ({tuple(out.shape)}, {out.dtype})")
+    if fp8 == FP8_NONE:
+        k_scale = v_scale = 1.0
+    batch = (q, kv_cache, block_tables, query_start_loc, seq_lens, max_query_len)
+    return _Extend(*batch, scale, sliding_window, out, k_scale, v_scale)
 
 
-def _tile_config(device: torch.device, max_rows: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps) for a launch whose longest request has ``max_rows`` folded rows."""
-    if device.type != "cuda":
-        # Triton interpreter: small tiles keep numpy's work per op small and let small test shapes
-        # still span several query and key tiles.
-        return 16, 16, 1
-    block_m = min(64, max(16, triton.next_power_of_2(max_rows)))
-    return block_m, 64, 4
-
-
-def paged_extend_attention(
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor,
-    max_query_len: int,
-    scale: float,
-    sliding_window: Optional[int] = None,
-    out: Optional[torch.Tensor] = None,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
-) -> torch.Tensor:
+@host_wrapper(_extend_call)
+def paged_extend_attention(call: _Extend) -> torch.Tensor:
     """Causal attention of a varlen batch of query chunks over their paged context (Triton).
 
     q: [num_tokens, num_heads, head_dim]; kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim] already
@@ -222,90 +237,51 @@ def paged_extend_attention(
     in q's dtype, or fp8 holding codes of K / k_scale and V / v_scale (other caches ignore the scales).
     Never syncs with the device.
     """
-    _check_inputs(q, kv_cache, block_tables, query_start_loc, seq_lens, max_query_len, sliding_window, out)
-    if out is None:
-        out = torch.empty_like(q)
+    out = call.out if call.out is not None else torch.empty_like(call.q)
     if out.stride(-1) != 1:
         raise ValueError("out must be contiguous in its last dimension")
-    num_reqs = seq_lens.shape[0]
-    num_heads, head_dim = q.shape[1], q.shape[2]
-    _, _, block_size, num_kv_heads, _ = kv_cache.shape
+    num_reqs, max_query_len = call.seq_lens.shape[0], call.max_query_len
+    num_heads, head_dim = call.q.shape[1], call.q.shape[2]
+    _, _, block_size, num_kv_heads, _ = call.kv_cache.shape
     group = num_heads // num_kv_heads
-    if num_reqs == 0 or max_query_len == 0 or q.shape[0] == 0:
+    if num_reqs == 0 or max_query_len == 0 or call.q.shape[0] == 0:
         return out
-    if q.stride(-1) != 1:
-        q = q.contiguous()
-    if kv_cache.stride(-1) != 1:
+    q = unit_last_stride(call.q)
+    if call.kv_cache.stride(-1) != 1:
         raise ValueError("kv_cache must be contiguous in its last dimension")
-    fp8 = fp8_format(kv_cache.dtype)
-    qk_scale, v_factor = scale * _LOG2E, 1.0
+    fp8 = fp8_format(call.kv_cache.dtype)
+    qk_scale, v_factor = call.scale * _LOG2E, 1.0
     if fp8 != FP8_NONE:
-        qk_scale, v_factor = qk_scale * k_scale * fp8_read_factor(fp8), v_scale * fp8_read_factor(fp8)
-    codes = kernel_view(kv_cache)
+        qk_scale, v_factor = qk_scale * call.k_scale * fp8_read_factor(fp8), call.v_scale * fp8_read_factor(fp8)
+    codes = kernel_view(call.kv_cache)
     k_cache, v_cache = codes[0], codes[1]  # [num_blocks, block_size, num_kv_heads, head_dim]
-
     block_m, block_n, num_warps = _tile_config(q.device, max_query_len * group)
     grid = (num_reqs, num_kv_heads, triton.cdiv(max_query_len * group, block_m))
     _extend_attention_kernel[grid](
-        q,
-        k_cache,
-        v_cache,
-        out,
-        block_tables,
-        query_start_loc,
-        seq_lens,
-        qk_scale,
-        sliding_window or 0,
-        v_factor,
-        q.stride(0),
-        q.stride(1),
-        out.stride(0),
-        out.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        block_tables.stride(0),
-        HEAD_DIM=head_dim,
-        GROUP=group,
-        KV_BLOCK_SIZE=block_size,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-        USE_WINDOW=sliding_window is not None,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        FP8=fp8,
-        num_warps=num_warps,
-    )
+        q, k_cache, v_cache, out, call.block_tables, call.query_start_loc, call.seq_lens,
+        qk_scale, call.sliding_window or 0, v_factor,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), call.block_tables.stride(0),
+        HEAD_DIM=head_dim, GROUP=group, KV_BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)), USE_WINDOW=call.sliding_window is not None,
+        DOT_PRECISION=dot_precision(q.dtype), FP8=fp8, num_warps=num_warps,
+    )  # fmt: skip
     return out
 
 
-def paged_extend_attention_reference(
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor,
-    max_query_len: int,
-    scale: float,
-    sliding_window: Optional[int] = None,
-    out: Optional[torch.Tensor] = None,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
-) -> torch.Tensor:
+@host_wrapper(_extend_call)
+def paged_extend_attention_reference(call: _Extend) -> torch.Tensor:
     """Plain-torch specification of :func:`paged_extend_attention` (same signature; loops over requests).
 
     Gathers each request's whole context through its block table, then runs an explicitly masked
     softmax in fp32. Syncs with the device (it reads the lengths on the host).
     """
-    _check_inputs(q, kv_cache, block_tables, query_start_loc, seq_lens, max_query_len, sliding_window, out)
-    if out is None:
-        out = torch.empty_like(q)
+    q, kv_cache, window, max_query_len = call.q, call.kv_cache, call.sliding_window, call.max_query_len
+    out = call.out if call.out is not None else torch.empty_like(q)
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     group = q.shape[1] // num_kv_heads
-    if fp8_format(kv_cache.dtype) == FP8_NONE:
-        k_scale = v_scale = 1.0
-    starts = query_start_loc.tolist()
-    for i, seq_len in enumerate(seq_lens.tolist()):
+    starts = call.query_start_loc.tolist()
+    for i, seq_len in enumerate(call.seq_lens.tolist()):
         start, end = starts[i], starts[i + 1]
         q_len = end - start
         if not 0 <= q_len <= min(max_query_len, seq_len):
@@ -313,16 +289,16 @@ def paged_extend_attention_reference(
         if q_len == 0:
             continue
         k_pos = torch.arange(seq_len, device=q.device)  # [seq_len]
-        blocks = block_tables[i, k_pos // block_size].long()
-        keys = kv_cache[0, blocks, k_pos % block_size].float() * k_scale  # [seq_len, num_kv_heads, head_dim]
-        values = kv_cache[1, blocks, k_pos % block_size].float() * v_scale
+        blocks = call.block_tables[i, k_pos // block_size].long()
+        keys = kv_cache[0, blocks, k_pos % block_size].float() * call.k_scale  # [seq_len, num_kv_heads, head_dim]
+        values = kv_cache[1, blocks, k_pos % block_size].float() * call.v_scale
         keys = keys.repeat_interleave(group, dim=1)  # [seq_len, num_heads, head_dim]: head h reads kv head h // group
         values = values.repeat_interleave(group, dim=1)
-        scores = torch.einsum("qhd,khd->hqk", q[start:end].float(), keys) * scale  # [num_heads, q_len, seq_len]
+        scores = torch.einsum("qhd,khd->hqk", q[start:end].float(), keys) * call.scale  # [num_heads, q_len, seq_len]
         q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]  # [q_len, 1]
         visible = k_pos[None, :] <= q_pos
-        if sliding_window is not None:
-            visible &= k_pos[None, :] > q_pos - sliding_window
+        if window is not None:
+            visible &= k_pos[None, :] > q_pos - window
         probs = torch.softmax(scores.masked_fill(~visible, -math.inf), dim=-1)
         out[start:end] = torch.einsum("hqk,khd->qhd", probs, values).to(q.dtype)
     return out

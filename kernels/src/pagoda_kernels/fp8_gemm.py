@@ -10,32 +10,23 @@ The weight is ``pagoda.quantization.weights.Fp8Weight``'s: ``W[n, k] = float(q[n
   scaling, the same GEMM runs with unit per-tensor scales into float32 and both scales are applied after it
   (``rowwise=False``).
 * :func:`fp8_w8a16_gemm` (every other GPU, and the interpreter): a Triton GEMM that widens the weight bytes to
-  x's dtype in registers and applies the row scale in the epilogue; activations stay 16-bit. e4m3 -> float16 is a
-  bit shift (sign to bit 15, exponent and mantissa to bits 13..7) and a multiply by 2**8 (the exponent biases
-  differ by 8), exact for every value including subnormals; every e4m3 value is exact in bfloat16 too.
+  x's dtype in registers, exactly (:func:`pagoda_kernels.weight_tiles.widen_e4m3`), and applies the row scale in
+  the epilogue; activations stay 16-bit. It is :mod:`pagoda_kernels.quant_gemm`'s kernel with ``FP8_WEIGHT`` tiles.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import triton
 import triton.language as tl
 
-from pagoda_kernels.quant_gemm import (
-    TL_DTYPES,
-    GemmConfig,
-    as_rows,
-    check_activation,
-    dot_options,
-    gemm_config,
-    split_bounds,
-    splitk_reduce,
-    store_output,
-    store_partial,
-)
+from pagoda_kernels.gemm_tiles import GemmConfig
+from pagoda_kernels.host import host_wrapper
+from pagoda_kernels.quant_gemm import GemmWeight, as_rows, check_activation, check_bias, launch_gemm
+from pagoda_kernels.weight_tiles import FP8_WEIGHT
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 MIN_AMAX = 1e-12  # an all-zero row gets a tiny scale instead of a division by zero
@@ -43,73 +34,11 @@ _FP8_MAX = tl.constexpr(FP8_MAX)  # the same constants, readable inside kernels
 _MIN_AMAX = tl.constexpr(MIN_AMAX)
 
 
-@triton.jit
-def widen_e4m3(b, DTYPE: tl.constexpr):
-    """float8_e4m3fn bytes (uint8) -> DTYPE, exactly; the two NaN codes (0x7F, 0xFF) give NaN."""
-    bits = b.to(tl.int32)
-    half = (((bits & 0x80) << 8) | ((bits & 0x7F) << 7)).to(tl.uint16).to(tl.float16, bitcast=True)
-    value = half * 256.0  # exact: a power of two, and e4m3's range sits inside float16's
-    value = tl.where((bits & 0x7F) == 0x7F, float("nan"), value)
-    return value.to(DTYPE)
-
-
-@triton.jit
-def _fp8_w8a16_kernel(
-    x_ptr,  # [M, K], unit last stride
-    w_ptr,  # [N, K] uint8 (float8_e4m3fn bits), contiguous
-    scale_ptr,  # [N] float32 row scales
-    bias_ptr,  # [N] (HAS_BIAS)
-    out_ptr,  # [M, N] output, or [SPLIT, M, N] float32 partials
-    M,
-    N,
-    K,
-    k_per_split,
-    stride_xm,
-    stride_om,
-    HAS_BIAS: tl.constexpr,
-    SPLIT: tl.constexpr,
-    ROUND_DTYPE: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    UPCAST_DOT: tl.constexpr,
-):
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
-    row_valid = rows < M
-    col_valid = cols < N
-    x_rows = x_ptr + rows[:, None] * stride_xm  # [BLOCK_M, 1]
-    w_cols = w_ptr + cols[None, :].to(tl.int64) * K  # [1, BLOCK_N]
-    k_lo = tl.program_id(2) * k_per_split
-    k_hi = tl.minimum(K, k_lo + k_per_split)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)  # [BLOCK_K]
-        k_valid = offs_k < k_hi
-        x = tl.load(x_rows + offs_k[None, :], mask=row_valid[:, None] & k_valid[None, :], other=0.0)
-        q = tl.load(w_cols + offs_k[:, None], mask=k_valid[:, None] & col_valid[None, :], other=0)  # [BLOCK_K, BLOCK_N]
-        w = widen_e4m3(q, x_ptr.dtype.element_ty)
-        if UPCAST_DOT:
-            acc += tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision=DOT_PRECISION)
-        else:
-            acc += tl.dot(x, w, input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_K] @ [BLOCK_K, BLOCK_N]
-    if SPLIT:
-        store_partial(acc, rows, cols, M, N, out_ptr)
-    else:
-        store_output(acc, rows, cols, M, N, out_ptr, stride_om, scale_ptr, bias_ptr, True, HAS_BIAS, ROUND_DTYPE)
-
-
 def _check_weight(qweight: torch.Tensor, scales: torch.Tensor) -> None:
     if qweight.dim() != 2 or qweight.dtype != torch.float8_e4m3fn or not qweight.is_contiguous():
         raise ValueError(f"qweight must be a contiguous [N, K] float8_e4m3fn tensor, got {qweight.dtype}")
     if scales.shape != (qweight.shape[0],) or scales.dtype != torch.float32 or scales.device != qweight.device:
         raise ValueError(f"scales must be float32 [{qweight.shape[0]}] on {qweight.device}")
-
-
-def _check_bias(bias: Optional[torch.Tensor], n: int, device: torch.device) -> None:
-    if bias is not None and (bias.shape != (n,) or bias.device != device or not bias.is_floating_point()):
-        raise ValueError(f"bias must be a float [{n}] tensor on {device}, got {bias.dtype} {tuple(bias.shape)}")
 
 
 def fp8_w8a16_gemm(
@@ -124,42 +53,8 @@ def fp8_w8a16_gemm(
     in x's dtype (float32 rounded through x's dtype with ``float_output``). Triton; never syncs."""
     _check_weight(qweight, scales)
     n, k = qweight.shape
-    check_activation(x, k, qweight.device)
-    _check_bias(bias, n, x.device)
-    rows = as_rows(x)
-    m = rows.shape[0]
-    out = torch.empty((m, n), dtype=torch.float32 if float_output else x.dtype, device=x.device)
-    if m == 0:
-        return out.reshape(*x.shape[:-1], n)
-    cfg = config or gemm_config(x.device, m, n, k, weight_bits=8)
-    per_split, splits = split_bounds(k, cfg)
-    target = torch.empty((splits, m, n), dtype=torch.float32, device=x.device) if splits > 1 else out
-    grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), splits)
-    _fp8_w8a16_kernel[grid](
-        rows,
-        qweight.view(torch.uint8),
-        scales,
-        bias if bias is not None else scales,
-        target,
-        m,
-        n,
-        k,
-        per_split,
-        rows.stride(0),
-        out.stride(0),
-        HAS_BIAS=bias is not None,
-        SPLIT=splits > 1,
-        ROUND_DTYPE=TL_DTYPES[x.dtype],
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-        **dot_options(x),
-    )
-    if splits > 1:
-        splitk_reduce(target, out, scales, bias, TL_DTYPES[x.dtype])
-    return out.reshape(*x.shape[:-1], n)
+    weight = GemmWeight(FP8_WEIGHT, qweight.view(torch.uint8), scales, n, k, bits=8)
+    return launch_gemm(x, weight, bias, float_output, config)
 
 
 def fp8_w8a16_reference(
@@ -256,55 +151,72 @@ def rowwise_scaled_mm_supported(device: torch.device, out_dtype: torch.dtype) ->
     return True
 
 
-def fp8_scaled_mm(
+class _ScaledMm(NamedTuple):
+    """One checked :func:`fp8_scaled_mm` call."""
+
+    x: torch.Tensor  # [..., K]
+    qweight: torch.Tensor  # [N, K] float8_e4m3fn
+    scales: torch.Tensor  # [N] float32
+    input_scale: Optional[torch.Tensor]  # [1] float32, or None: per-token scales
+    bias: Optional[torch.Tensor]  # [N]
+    rowwise: bool
+
+
+def _scaled_mm_call(
     x: torch.Tensor,
     qweight: torch.Tensor,
     scales: torch.Tensor,
     input_scale: Optional[torch.Tensor] = None,
     bias: Optional[torch.Tensor] = None,
     rowwise: bool = True,
-) -> torch.Tensor:
+) -> _ScaledMm:
+    """The front of :func:`fp8_scaled_mm` and its reference: the weight, x and the bias checked."""
+    _check_weight(qweight, scales)
+    check_activation(x, qweight.shape[1], qweight.device)
+    check_bias(bias, qweight.shape[0], x.device)
+    return _ScaledMm(x, qweight, scales, input_scale, bias, rowwise)
+
+
+def _scaled(acc: torch.Tensor, x_scales: torch.Tensor, call: _ScaledMm) -> torch.Tensor:
+    """float32 products [M, N] of the codes -> both scales and the bias applied in float32, rounded once to x's
+    dtype, in x's leading shape."""
+    acc = acc * x_scales * call.scales
+    y = (acc if call.bias is None else acc + call.bias.float()).to(call.x.dtype)
+    return y.reshape(*call.x.shape[:-1], call.qweight.shape[0])
+
+
+@host_wrapper(_scaled_mm_call)
+def fp8_scaled_mm(call: _ScaledMm) -> torch.Tensor:
     """x [..., K] -> [..., N] in x's dtype through FP8 tensor cores: x quantized per token (or with the static
     ``input_scale``), ``torch._scaled_mm`` against qweight [N, K] e4m3 with ``scales`` [N]. ``rowwise=False``: unit
     per-tensor scales into float32, both scales applied afterwards. K and N must be multiples of 16."""
-    _check_weight(qweight, scales)
+    x, qweight, bias = call.x, call.qweight, call.bias
     n, k = qweight.shape
-    check_activation(x, k, qweight.device)
-    _check_bias(bias, n, x.device)
     if k % 16 or n % 16:
         raise ValueError(f"torch._scaled_mm needs K and N divisible by 16, got K={k}, N={n}")
-    xq, x_scales = quantize_fp8_rows(x, input_scale)  # [M, K], [M, 1]
-    if rowwise:
-        # A bias is added after a float32 output (one rounding, as the reference): the load-time probe of row-wise
-        # support runs without one, and some cuBLASLt builds refuse a bias with row-wise scales.
-        y = torch._scaled_mm(
-            xq,
-            qweight.t(),  # [K, N], column-major as cuBLASLt wants
-            scale_a=x_scales,
-            scale_b=scales.view(1, n),
-            out_dtype=x.dtype if bias is None else torch.float32,
-        )
-        if bias is not None:
-            y = (y + bias.float()).to(x.dtype)
-    else:
+    xq, x_scales = quantize_fp8_rows(x, call.input_scale)  # [M, K], [M, 1]
+    if not call.rowwise:
         one = torch.ones((), dtype=torch.float32, device=x.device)
-        acc = torch._scaled_mm(xq, qweight.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
-        acc = acc * x_scales * scales
-        y = (acc if bias is None else acc + bias.float()).to(x.dtype)
+        return _scaled(
+            torch._scaled_mm(xq, qweight.t(), scale_a=one, scale_b=one, out_dtype=torch.float32), x_scales, call
+        )
+    # A bias is added after a float32 output (one rounding, as the reference): the load-time probe of row-wise
+    # support runs without one, and some cuBLASLt builds refuse a bias with row-wise scales.
+    y = torch._scaled_mm(
+        xq,
+        qweight.t(),  # [K, N], column-major as cuBLASLt wants
+        scale_a=x_scales,
+        scale_b=call.scales.view(1, n),
+        out_dtype=x.dtype if bias is None else torch.float32,
+    )
+    if bias is not None:
+        y = (y + bias.float()).to(x.dtype)
     return y.reshape(*x.shape[:-1], n)
 
 
-def fp8_scaled_mm_reference(
-    x: torch.Tensor,
-    qweight: torch.Tensor,
-    scales: torch.Tensor,
-    input_scale: Optional[torch.Tensor] = None,
-    bias: Optional[torch.Tensor] = None,
-) -> torch.Tensor:
+@host_wrapper(_scaled_mm_call)
+def fp8_scaled_mm_reference(call: _ScaledMm) -> torch.Tensor:
     """Plain-torch specification of :func:`fp8_scaled_mm`: the quantized activations times the e4m3 weight in
-    float32, both scales, the bias, rounded once to x's dtype."""
-    xq, x_scales = quantize_fp8_rows_reference(x, input_scale)
-    y = (xq.float() @ qweight.float().T) * x_scales * scales
-    if bias is not None:
-        y = y + bias.float()
-    return y.to(x.dtype).reshape(*x.shape[:-1], qweight.shape[0])
+    float32, both scales, the bias, rounded once to x's dtype (``rowwise`` is accepted for signature parity)."""
+    xq, x_scales = quantize_fp8_rows_reference(call.x, call.input_scale)
+    return _scaled(xq.float() @ call.qweight.float().T, x_scales, call)

@@ -14,9 +14,10 @@ Layout read by the kernel (:func:`pack_int_weight`, once at load):
 * ``perm``: ``[K]`` int32. The kernel gathers x's columns itself (no ``index_select`` pass before it): at decode
   x is a few rows, so the gather costs nothing next to the weight, and there is no extra launch.
 
-Dequantization happens per tile in registers: ``(q - z)`` is an exact small integer, times the scale in float32
-is exact for 16-bit scales, and is rounded once to x's dtype, so the tile equals
-``IntWeight.dequantize().to(x.dtype)`` element for element; products accumulate in float32.
+Dequantization happens per tile in registers (:func:`pagoda_kernels.weight_tiles.int_weight_tile`, inside
+:mod:`pagoda_kernels.quant_gemm`'s kernel): ``(q - z)`` is an exact small integer, times the scale in float32 is exact
+for 16-bit scales, and is rounded once to x's dtype, so the tile equals ``IntWeight.dequantize().to(x.dtype)``
+element for element; products accumulate in float32.
 """
 
 from __future__ import annotations
@@ -26,20 +27,10 @@ from typing import Optional, Protocol
 
 import torch
 import triton
-import triton.language as tl
 
-from pagoda_kernels.quant_gemm import (
-    TL_DTYPES,
-    GemmConfig,
-    as_rows,
-    check_activation,
-    dot_options,
-    gemm_config,
-    split_bounds,
-    splitk_reduce,
-    store_output,
-    store_partial,
-)
+from pagoda_kernels.gemm_tiles import GemmConfig
+from pagoda_kernels.quant_gemm import GemmWeight, launch_gemm
+from pagoda_kernels.weight_tiles import INT_WEIGHT
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,9 +49,13 @@ class PackedIntWeight:
     def out_features(self) -> int:
         return self.qweight.shape[1]
 
-    @property
-    def num_groups(self) -> int:
-        return self.scales.shape[0]
+    def gemm_weight(self) -> GemmWeight:
+        """This weight as :func:`pagoda_kernels.quant_gemm.launch_gemm` hands it to the kernel."""
+        granule = self.group_size if self.scales.shape[0] > 1 else 0  # one group: any K tile lies in it
+        n, k = self.out_features, self.in_features
+        return GemmWeight(
+            INT_WEIGHT, self.qweight, self.scales, n, k, self.bits, self.zeros, self.perm, self.group_size, granule
+        )
 
 
 def _exact_scales(scales: torch.Tensor) -> torch.Tensor:
@@ -111,112 +106,6 @@ def unpack_qweight(weight: PackedIntWeight) -> torch.Tensor:
     return values.reshape(-1, weight.out_features)[: weight.in_features].t().to(torch.uint8).contiguous()
 
 
-@triton.jit
-def _dequantized_tile(
-    qw_ptr,  # [ceil(K / V), N] int32 words
-    s_ptr,  # [G, N] scales
-    z_ptr,  # [G, N] uint8 zero points
-    k0,  # first row of the tile
-    k_hi,  # rows from here on are masked
-    cols,  # [BLOCK_N] int32
-    N,
-    group_size,
-    BITS: tl.constexpr,
-    TILE_GROUP: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    DTYPE: tl.constexpr,
-):
-    """Weight rows k0 .. k0 + BLOCK_K - 1 (kernel order) of columns ``cols``, dequantized: [BLOCK_K, BLOCK_N] DTYPE."""
-    PER_WORD: tl.constexpr = 32 // BITS
-    VALUE_MASK: tl.constexpr = (1 << BITS) - 1
-    col_valid = cols < N
-    # Each word is loaded once and split into its PER_WORD values along a new middle axis; merging that axis into
-    # K (row-major) puts value i of word j at row j * PER_WORD + i. Loading every row's word instead
-    # (offs_k // PER_WORD) compiles to 3.6x the shared memory and 3x the PTX for sm_90 at decode tiles.
-    offs_w = k0 // PER_WORD + tl.arange(0, BLOCK_K // PER_WORD)  # [BLOCK_K / PER_WORD]
-    word_mask = (offs_w * PER_WORD < k_hi)[:, None] & col_valid[None, :]  # past K: zero padding, and x is masked
-    words = tl.load(qw_ptr + offs_w[:, None] * N + cols[None, :], mask=word_mask, other=0)
-    shifts = tl.arange(0, PER_WORD) * BITS  # [PER_WORD]
-    values = (words[:, None, :] >> shifts[None, :, None]) & VALUE_MASK  # [BLOCK_K / PER_WORD, PER_WORD, BLOCK_N]
-    q = tl.reshape(values, (BLOCK_K, BLOCK_N))  # [BLOCK_K, BLOCK_N] int32
-    if TILE_GROUP:
-        g_offs = (k0 // group_size) * N + cols[None, :]  # [1, BLOCK_N]: one group row for the whole tile
-        zero = tl.load(z_ptr + g_offs, mask=col_valid[None, :], other=0)
-        scale = tl.load(s_ptr + g_offs, mask=col_valid[None, :], other=0.0)
-    else:
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        w_mask = (offs_k < k_hi)[:, None] & col_valid[None, :]
-        g_offs = (offs_k // group_size)[:, None] * N + cols[None, :]  # [BLOCK_K, BLOCK_N]: each row's group
-        zero = tl.load(z_ptr + g_offs, mask=w_mask, other=0)
-        scale = tl.load(s_ptr + g_offs, mask=w_mask, other=0.0)
-    # exact integer, exact float32 product (16-bit scales), one rounding to the activation dtype
-    return ((q - zero.to(tl.int32)).to(tl.float32) * scale.to(tl.float32)).to(DTYPE)
-
-
-@triton.jit
-def _int_gemm_kernel(
-    x_ptr,  # [M, K], unit last stride
-    qw_ptr,  # [ceil(K / V), N] int32, V = 32 // BITS values per word along K
-    s_ptr,  # [G, N] scales
-    z_ptr,  # [G, N] uint8 zero points
-    perm_ptr,  # [K] int32 (HAS_PERM)
-    bias_ptr,  # [N] (HAS_BIAS)
-    out_ptr,  # [M, N] output, or [SPLIT, M, N] float32 partials
-    M,
-    N,
-    K,
-    group_size,
-    k_per_split,  # K columns per program along axis 2, a multiple of BLOCK_K
-    stride_xm,
-    stride_om,
-    BITS: tl.constexpr,
-    HAS_PERM: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    SPLIT: tl.constexpr,  # write partial sums for _splitk_reduce_kernel
-    TILE_GROUP: tl.constexpr,  # every K tile lies in one group: one scale/zero row per tile
-    ROUND_DTYPE: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    UPCAST_DOT: tl.constexpr,
-):
-    X: tl.constexpr = x_ptr.dtype.element_ty  # the activation dtype: the dequantized tile's
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
-    row_valid = rows < M
-    x_rows = x_ptr + rows[:, None] * stride_xm  # [BLOCK_M, 1]
-    k_lo = tl.program_id(2) * k_per_split
-    k_hi = tl.minimum(K, k_lo + k_per_split)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)  # [BLOCK_K]
-        k_valid = offs_k < k_hi
-        if HAS_PERM:
-            src_k = tl.load(perm_ptr + offs_k, mask=k_valid, other=0)  # act order: gather x's columns
-        else:
-            src_k = offs_k
-        # Columns past K load as 0 in x, so whatever the weight holds there adds nothing.
-        x = tl.load(x_rows + src_k[None, :], mask=row_valid[:, None] & k_valid[None, :], other=0.0)
-        w = _dequantized_tile(
-            qw_ptr, s_ptr, z_ptr, k0, k_hi, cols, N, group_size, BITS, TILE_GROUP, BLOCK_K, BLOCK_N, X
-        )
-        if UPCAST_DOT:
-            acc += tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision=DOT_PRECISION)
-        else:
-            acc += tl.dot(x, w, input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_K] @ [BLOCK_K, BLOCK_N]
-    if SPLIT:
-        store_partial(acc, rows, cols, M, N, out_ptr)
-    else:
-        store_output(acc, rows, cols, M, N, out_ptr, stride_om, bias_ptr, bias_ptr, False, HAS_BIAS, ROUND_DTYPE)
-
-
-def _check_bias(bias: Optional[torch.Tensor], n: int, device: torch.device) -> None:
-    if bias is not None and (bias.shape != (n,) or bias.device != device or not bias.is_floating_point()):
-        raise ValueError(f"bias must be a float [{n}] tensor on {device}, got {bias.dtype} {tuple(bias.shape)}")
-
-
 def int_gemm(
     x: torch.Tensor,
     weight: PackedIntWeight,
@@ -225,51 +114,9 @@ def int_gemm(
     config: Optional[GemmConfig] = None,
 ) -> torch.Tensor:
     """x [..., K] (float16, bfloat16 or float32) -> [..., N] in x's dtype (float32 rounded through x's dtype with
-    ``float_output``). ``config``: tiles to use instead of :func:`gemm_config`'s (tests). Never syncs."""
-    check_activation(x, weight.in_features, weight.qweight.device)
-    n, k = weight.out_features, weight.in_features
-    _check_bias(bias, n, x.device)
-    rows = as_rows(x)
-    m = rows.shape[0]
-    out = torch.empty((m, n), dtype=torch.float32 if float_output else x.dtype, device=x.device)
-    if m == 0:
-        return out.reshape(*x.shape[:-1], n)
-    multi_group = weight.num_groups > 1
-    cfg = config or gemm_config(x.device, m, n, k, weight.bits, weight.group_size if multi_group else 0)
-    per_split, splits = split_bounds(k, cfg)
-    target = torch.empty((splits, m, n), dtype=torch.float32, device=x.device) if splits > 1 else out
-    grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), splits)
-    _int_gemm_kernel[grid](
-        rows,
-        weight.qweight,
-        weight.scales,
-        weight.zeros,
-        weight.perm if weight.perm is not None else weight.qweight,
-        bias if bias is not None else weight.scales,
-        target,
-        m,
-        n,
-        k,
-        weight.group_size,
-        per_split,
-        rows.stride(0),
-        out.stride(0),
-        BITS=weight.bits,
-        HAS_PERM=weight.perm is not None,
-        HAS_BIAS=bias is not None,
-        SPLIT=splits > 1,
-        TILE_GROUP=not multi_group or weight.group_size % cfg.block_k == 0,
-        ROUND_DTYPE=TL_DTYPES[x.dtype],
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-        **dot_options(x),
-    )
-    if splits > 1:
-        splitk_reduce(target, out, None, bias, TL_DTYPES[x.dtype])
-    return out.reshape(*x.shape[:-1], n)
+    ``float_output``). ``config``: tiles to use instead of
+    :func:`pagoda_kernels.gemm_tiles.gemm_config`'s (tests). Never syncs."""
+    return launch_gemm(x, weight.gemm_weight(), bias, float_output, config)
 
 
 class DequantizableWeight(Protocol):

@@ -24,9 +24,13 @@ padded to ``BLOCK_R >= 16`` with masked loads.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
+
+from pagoda_kernels.host import dot_precision, host_wrapper, unit_last_stride
 
 
 @triton.jit
@@ -136,32 +140,52 @@ def _lora_expand_kernel(
     tl.store(out_ptrs, (prev.to(tl.float32) + acc).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _check_mapping(
-    num_tokens: int,
-    max_loras: int,
-    device: torch.device,
-    sorted_token_ids: torch.Tensor,
-    segment_starts: torch.Tensor,
-    segment_slots: torch.Tensor,
-) -> None:
-    """Shapes, dtypes and devices of the per-step mapping (never its values: that would sync)."""
-    expected = {
-        "sorted_token_ids": (sorted_token_ids, (num_tokens,)),
-        "segment_starts": (segment_starts, (max_loras + 1,)),
-        "segment_slots": (segment_slots, (max_loras,)),
-    }
-    for name, (t, shape) in expected.items():
-        if t.shape != shape or t.dtype != torch.int32 or t.device != device:
-            raise ValueError(f"{name} must be int32 {shape} on {device}, got {t.dtype} {tuple(t.shape)} on {t.device}")
+class _Mapping(NamedTuple):
+    """A step's token grouping (see :func:`lora_segments`), as the kernels take it."""
+
+    sorted_token_ids: torch.Tensor  # [num_tokens] int32
+    segment_starts: torch.Tensor  # [max_loras + 1] int32
+    segment_slots: torch.Tensor  # [max_loras] int32
+
+    def checked(self, num_tokens: int, max_loras: int, device: torch.device) -> _Mapping:
+        """Shapes, dtypes and devices (never the values: that would sync)."""
+        expected = {
+            "sorted_token_ids": (num_tokens,),
+            "segment_starts": (max_loras + 1,),
+            "segment_slots": (max_loras,),
+        }
+        for (name, shape), t in zip(expected.items(), self):
+            if t.shape != shape or t.dtype != torch.int32 or t.device != device:
+                raise ValueError(
+                    f"{name} must be int32 {shape} on {device}, got {t.dtype} {tuple(t.shape)} on {t.device}"
+                )
+        return self
+
+    def segments(self) -> list[tuple[torch.Tensor, int]]:
+        """(token ids, slot) of every used, non-empty segment (reads the mapping on the host: references only)."""
+        starts, slots = self.segment_starts.tolist(), self.segment_slots.tolist()
+        used = [
+            (slot, starts[i], starts[i + 1]) for i, slot in enumerate(slots) if slot >= 0 and starts[i + 1] > starts[i]
+        ]
+        return [(self.sorted_token_ids[start:end].long(), slot) for slot, start, end in used]
 
 
-def _check_shrink_args(
+class _Shrink(NamedTuple):
+    """One checked :func:`lora_shrink` call."""
+
+    x: torch.Tensor  # [num_tokens, in_features]
+    lora_a: torch.Tensor  # [max_loras, num_slices * max_rank, in_features]
+    mapping: _Mapping
+
+
+def _shrink_call(
     x: torch.Tensor,
     lora_a: torch.Tensor,
     sorted_token_ids: torch.Tensor,
     segment_starts: torch.Tensor,
     segment_slots: torch.Tensor,
-) -> None:
+) -> _Shrink:
+    """The front of :func:`lora_shrink` and its reference."""
     if x.dim() != 2 or lora_a.dim() != 3:
         raise ValueError(
             f"need x [num_tokens, in_features] and lora_a [max_loras, num_slices * max_rank, in_features], "
@@ -171,10 +195,21 @@ def _check_shrink_args(
         raise ValueError(f"in_features mismatch: x has {x.shape[1]}, lora_a has {lora_a.shape[2]}")
     if lora_a.dtype != x.dtype or lora_a.device != x.device:
         raise ValueError(f"lora_a ({lora_a.dtype}, {lora_a.device}) must match x ({x.dtype}, {x.device})")
-    _check_mapping(x.shape[0], lora_a.shape[0], x.device, sorted_token_ids, segment_starts, segment_slots)
+    mapping = _Mapping(sorted_token_ids, segment_starts, segment_slots)
+    return _Shrink(x, lora_a, mapping.checked(x.shape[0], lora_a.shape[0], x.device))
 
 
-def _check_expand_args(
+class _Expand(NamedTuple):
+    """One checked :func:`lora_expand` call."""
+
+    out: torch.Tensor  # [num_tokens, out_features], updated in place
+    shrunk: torch.Tensor  # [num_tokens, num_slices * max_rank] float32
+    lora_b: torch.Tensor  # [max_loras, out_features, max_rank]
+    output_slices: tuple[int, ...]
+    mapping: _Mapping
+
+
+def _expand_call(
     out: torch.Tensor,
     shrunk: torch.Tensor,
     lora_b: torch.Tensor,
@@ -182,7 +217,8 @@ def _check_expand_args(
     sorted_token_ids: torch.Tensor,
     segment_starts: torch.Tensor,
     segment_slots: torch.Tensor,
-) -> None:
+) -> _Expand:
+    """The front of :func:`lora_expand` and its reference."""
     if out.dim() != 2 or shrunk.dim() != 2 or lora_b.dim() != 3:
         raise ValueError(
             f"need out [num_tokens, out_features], shrunk [num_tokens, num_slices * max_rank] and lora_b "
@@ -206,7 +242,8 @@ def _check_expand_args(
         raise ValueError(f"lora_b and shrunk must be on {out.device} and lora_b in {out.dtype}")
     if out.stride(1) != 1:
         raise ValueError("out must be contiguous in its last dimension (it is updated in place)")
-    _check_mapping(num_tokens, lora_b.shape[0], out.device, sorted_token_ids, segment_starts, segment_slots)
+    mapping = _Mapping(sorted_token_ids, segment_starts, segment_slots).checked(num_tokens, lora_b.shape[0], out.device)
+    return _Expand(out, shrunk, lora_b, tuple(output_slices), mapping)
 
 
 def _tile_config(device: torch.device, num_tokens: int) -> tuple[int, int, int, int]:
@@ -217,72 +254,39 @@ def _tile_config(device: torch.device, num_tokens: int) -> tuple[int, int, int, 
     return min(64, max(16, triton.next_power_of_2(num_tokens))), 64, 64, 4
 
 
-def _dot_precision(dtype: torch.dtype) -> str:
-    # fp32 models get exact fp32 products; 16-bit models may round the fp32 shrunk operand to tf32
-    # (10-bit mantissa), which stays below the rounding of their own output.
-    return "ieee" if dtype == torch.float32 else "tf32"
-
-
-def lora_shrink(
-    x: torch.Tensor,
-    lora_a: torch.Tensor,
-    sorted_token_ids: torch.Tensor,
-    segment_starts: torch.Tensor,
-    segment_slots: torch.Tensor,
-) -> torch.Tensor:
+@host_wrapper(_shrink_call)
+def lora_shrink(call: _Shrink) -> torch.Tensor:
     """x: [num_tokens, in_features] -> new float32 [num_tokens, num_slices * max_rank] (one launch, Triton).
 
     Row ``t`` of a token in segment ``i`` is ``x[t] @ lora_a[segment_slots[i]].T`` accumulated in fp32; rows
     of tokens in no segment are 0. lora_a: [max_loras, num_slices * max_rank, in_features] in x.dtype.
     Never syncs with the device.
     """
-    _check_shrink_args(x, lora_a, sorted_token_ids, segment_starts, segment_slots)
+    x, lora_a = call.x, call.lora_a
     num_tokens, in_features = x.shape
     max_loras, n = lora_a.shape[0], lora_a.shape[1]
     shrunk = torch.zeros((num_tokens, n), dtype=torch.float32, device=x.device)
     if num_tokens == 0 or max_loras == 0 or n == 0 or in_features == 0:
         return shrunk
-    if x.stride(1) != 1:
-        x = x.contiguous()
+    x = unit_last_stride(x)
     if lora_a.stride(2) != 1:
         raise ValueError("lora_a must be contiguous in its last dimension")
     block_m, block_n, block_k, num_warps = _tile_config(x.device, num_tokens)
     block_n = min(block_n, max(16, triton.next_power_of_2(n)))
     grid = (max_loras, triton.cdiv(num_tokens, block_m), triton.cdiv(n, block_n))
+    # Triton's interpreter multiplies bf16 tiles as their raw uint16 bits; fp32 copies give the same exact products
+    # a bf16 dot accumulates in fp32, so only the interpreter pays for the upcast.
+    upcast = x.device.type != "cuda" and x.dtype == torch.bfloat16
     _lora_shrink_kernel[grid](
-        x,
-        lora_a,
-        shrunk,
-        sorted_token_ids,
-        segment_starts,
-        segment_slots,
-        n,
-        in_features,
-        x.stride(0),
-        lora_a.stride(0),
-        lora_a.stride(1),
-        shrunk.stride(0),
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        BLOCK_K=block_k,
-        DOT_PRECISION=_dot_precision(x.dtype),
-        # Triton's interpreter multiplies bf16 tiles as their raw uint16 bits; fp32 copies give the same
-        # exact products a bf16 dot accumulates in fp32, so only the interpreter pays for the upcast.
-        UPCAST_DOT=x.device.type != "cuda" and x.dtype == torch.bfloat16,
-        num_warps=num_warps,
-    )
+        x, lora_a, shrunk, *call.mapping, n, in_features, x.stride(0), lora_a.stride(0), lora_a.stride(1),
+        shrunk.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT_PRECISION=dot_precision(x.dtype),
+        UPCAST_DOT=upcast, num_warps=num_warps,
+    )  # fmt: skip
     return shrunk
 
 
-def lora_expand(
-    out: torch.Tensor,
-    shrunk: torch.Tensor,
-    lora_b: torch.Tensor,
-    output_slices: tuple[int, ...],
-    sorted_token_ids: torch.Tensor,
-    segment_starts: torch.Tensor,
-    segment_slots: torch.Tensor,
-) -> None:
+@host_wrapper(_expand_call)
+def lora_expand(call: _Expand) -> None:
     """out[t, slice s] += shrunk[t, s*R:(s+1)*R] @ lora_b[slot, slice s].T for every segmented token (Triton).
 
     out: [num_tokens, out_features] (rows may be strided, unit last stride), updated in place: the fp32 sum
@@ -290,13 +294,12 @@ def lora_expand(
     lora_b: [max_loras, out_features, max_rank] in out.dtype. All slices in one launch; tokens in no
     segment are untouched. Never syncs with the device.
     """
-    _check_expand_args(out, shrunk, lora_b, output_slices, sorted_token_ids, segment_starts, segment_slots)
+    out, lora_b, output_slices = call.out, call.lora_b, call.output_slices
     num_tokens = out.shape[0]
     max_loras, _, max_rank = lora_b.shape
     if num_tokens == 0 or max_loras == 0 or max_rank == 0:
         return
-    if shrunk.stride(1) != 1:
-        shrunk = shrunk.contiguous()
+    shrunk = unit_last_stride(call.shrunk)
     if lora_b.stride(2) != 1:
         raise ValueError("lora_b must be contiguous in its last dimension")
     block_m, block_n, _, num_warps = _tile_config(out.device, num_tokens)
@@ -304,65 +307,31 @@ def lora_expand(
     tiles_per_slice = triton.cdiv(max(output_slices), block_n)
     grid = (max_loras, triton.cdiv(num_tokens, block_m), len(output_slices) * tiles_per_slice)
     _lora_expand_kernel[grid](
-        out,
-        shrunk,
-        lora_b,
-        sorted_token_ids,
-        segment_starts,
-        segment_slots,
-        out.stride(0),
-        shrunk.stride(0),
-        lora_b.stride(0),
-        lora_b.stride(1),
-        RANK=max_rank,
-        SLICE_SIZES=tuple(int(n) for n in output_slices),
-        TILES_PER_SLICE=tiles_per_slice,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        BLOCK_R=min(64, max(16, triton.next_power_of_2(max_rank))),
-        DOT_PRECISION=_dot_precision(out.dtype),
-        num_warps=num_warps,
-    )
+        out, shrunk, lora_b, *call.mapping, out.stride(0), shrunk.stride(0), lora_b.stride(0), lora_b.stride(1),
+        RANK=max_rank, SLICE_SIZES=tuple(int(n) for n in output_slices), TILES_PER_SLICE=tiles_per_slice,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=min(64, max(16, triton.next_power_of_2(max_rank))),
+        DOT_PRECISION=dot_precision(out.dtype), num_warps=num_warps,
+    )  # fmt: skip
 
 
-def _segments(segment_starts: torch.Tensor, segment_slots: torch.Tensor) -> list[tuple[int, int, int]]:
-    """(slot, start, end) of every used, non-empty segment (reads the mapping on the host)."""
-    starts, slots = segment_starts.tolist(), segment_slots.tolist()
-    return [(slot, starts[i], starts[i + 1]) for i, slot in enumerate(slots) if slot >= 0 and starts[i + 1] > starts[i]]
-
-
-def lora_shrink_reference(
-    x: torch.Tensor,
-    lora_a: torch.Tensor,
-    sorted_token_ids: torch.Tensor,
-    segment_starts: torch.Tensor,
-    segment_slots: torch.Tensor,
-) -> torch.Tensor:
+@host_wrapper(_shrink_call)
+def lora_shrink_reference(call: _Shrink) -> torch.Tensor:
     """Plain-torch specification of :func:`lora_shrink` (same signature; loops over segments, syncs)."""
-    _check_shrink_args(x, lora_a, sorted_token_ids, segment_starts, segment_slots)
+    x, lora_a = call.x, call.lora_a
     shrunk = torch.zeros((x.shape[0], lora_a.shape[1]), dtype=torch.float32, device=x.device)
-    for slot, start, end in _segments(segment_starts, segment_slots):
-        toks = sorted_token_ids[start:end].long()  # [seg_len]
+    for toks, slot in call.mapping.segments():
         shrunk[toks] = x[toks].float() @ lora_a[slot].float().T  # [seg_len, num_slices * max_rank]
     return shrunk
 
 
-def lora_expand_reference(
-    out: torch.Tensor,
-    shrunk: torch.Tensor,
-    lora_b: torch.Tensor,
-    output_slices: tuple[int, ...],
-    sorted_token_ids: torch.Tensor,
-    segment_starts: torch.Tensor,
-    segment_slots: torch.Tensor,
-) -> None:
+@host_wrapper(_expand_call)
+def lora_expand_reference(call: _Expand) -> None:
     """Plain-torch specification of :func:`lora_expand` (same signature; loops over segments and slices)."""
-    _check_expand_args(out, shrunk, lora_b, output_slices, sorted_token_ids, segment_starts, segment_slots)
+    out, shrunk, lora_b = call.out, call.shrunk, call.lora_b
     rank = lora_b.shape[2]
-    for slot, start, end in _segments(segment_starts, segment_slots):
-        toks = sorted_token_ids[start:end].long()  # [seg_len]
+    for toks, slot in call.mapping.segments():
         off = 0
-        for s, size in enumerate(output_slices):
+        for s, size in enumerate(call.output_slices):
             b_s = lora_b[slot, off : off + size].float()  # [size, rank]
             delta = shrunk[toks, s * rank : (s + 1) * rank] @ b_s.T  # [seg_len, size]
             out[toks, off : off + size] = (out[toks, off : off + size].float() + delta).to(out.dtype)

@@ -1,101 +1,31 @@
-"""Shared pieces of the weight-quantized GEMMs (:mod:`pagoda_kernels.int_gemm`, :mod:`pagoda_kernels.fp8_gemm`):
-tile configurations, the epilogue, and the split-K reduction.
+"""The weight-quantized GEMM: one Triton kernel for every weight format, its split-K reduction and its launch.
 
-Every GEMM here computes ``y[M, N] = x[M, K] @ W^T`` with W dequantized tile by tile inside the kernel (never a
-dense copy), accumulates in float32 and rounds once to x's dtype. A launch reads only shapes on the host, so
-it never syncs with the device and can be captured in a CUDA graph (the split-K workspace is sized by shapes).
+``y[M, N] = x[M, K] @ W^T (+ bias)`` with W dequantized tile by tile inside the kernel (never a dense copy), in
+the format of :mod:`pagoda_kernels.weight_tiles` (``INT_WEIGHT``: :mod:`pagoda_kernels.int_gemm`; ``FP8_WEIGHT``:
+:mod:`pagoda_kernels.fp8_gemm`); products accumulate in float32 and the epilogue (the FP8 row scales, the bias)
+rounds once to x's dtype. The format is a constexpr, so each compiles to its own kernel with only its own loads.
 
-Tiles are chosen from the shapes alone (no autotuning: an autotuner times its candidates on the first call, which
-a CUDA-graph capture cannot contain):
-
-* decode (M <= 16): one 16-row tile, 128-deep K tiles. Layers of a small model have few column tiles (N=1024 in
-  64-column tiles is 16 programs on a 132-SM GPU), so K is split across programs until there are about two per
-  SM (:func:`gemm_config`), each writing float32 partial sums that :func:`_splitk_reduce_kernel` adds in a fixed
-  order (deterministic, unlike atomics). The split is capped so the partials stay small next to the weight.
-* 16 < M <= 64: 32- or 64-row tiles, split the same way when the grid is small.
-* prefill: 64x128 or 128x128 tiles, 64 deep, 8 warps for the larger one; no split.
+:func:`launch_gemm` is the host side: checks, the output, the tiles (:mod:`pagoda_kernels.gemm_tiles`), the grid
+``(row tiles, column tiles, splits)`` and, with more than one split, the ``[splits, M, N]`` float32 workspace that
+:func:`splitk_reduce` adds in split order (deterministic, unlike atomics) before the epilogue. It reads only shapes
+on the host, so it never syncs with the device and can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
-SPLIT_WORKSPACE_RATIO = 0.5  # partial sums may add at most half the weight's bytes of traffic
-PROGRAMS_PER_SM = 2  # split K until the grid has about this many programs per SM
+from pagoda_kernels.gemm_tiles import GemmConfig, dot_options, gemm_config, split_bounds
+from pagoda_kernels.host import unit_last_stride
+from pagoda_kernels.weight_tiles import FP8_WEIGHT, fp8_weight_tile, int_weight_tile
 
-
-@dataclass(frozen=True, slots=True)
-class GemmConfig:
-    """Tile sizes and launch parameters of one GEMM launch."""
-
-    block_m: int
-    block_n: int
-    block_k: int
-    split_k: int = 1  # programs along K; > 1 writes float32 partials reduced by a second kernel
-    num_warps: int = 4
-    num_stages: int = 3
-
-
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def _tiles(device: torch.device, m: int) -> GemmConfig:
-    if device.type != "cuda":
-        # Triton's interpreter: small tiles keep numpy's work small and make test shapes span several tiles.
-        return GemmConfig(16, 32, 32, num_warps=1, num_stages=1)
-    if m <= 16:
-        return GemmConfig(16, 64, 128, num_warps=4, num_stages=4)
-    if m <= 64:
-        return GemmConfig(32 if m <= 32 else 64, 64, 64, num_warps=4, num_stages=4)
-    if m <= 128:
-        return GemmConfig(64, 128, 64, num_warps=4, num_stages=3)
-    return GemmConfig(128, 128, 64, num_warps=8, num_stages=3)
-
-
-def gemm_config(device: torch.device, m: int, n: int, k: int, weight_bits: int, k_granule: int = 0) -> GemmConfig:
-    """The configuration for an [m, k] x [k, n] GEMM on ``device`` with ``weight_bits``-bit weights.
-
-    ``k_granule`` > 0: K tiles must not straddle a multiple of it (a quantization group): the K tile is shrunk to
-    the largest power of two >= 16 dividing it, when one exists (otherwise the kernel gathers per-row scales).
-    """
-    cfg = _tiles(device, m)
-    block_k = cfg.block_k
-    if k_granule > 0 and k_granule % block_k != 0:
-        fitting = [b for b in (16, 32, 64, 128) if b <= block_k and k_granule % b == 0]
-        block_k = fitting[-1] if fitting else block_k
-    block_k = min(block_k, max(16, triton.next_power_of_2(k)))
-    block_n = min(cfg.block_n, max(16, triton.next_power_of_2(n)))
-    split = 1
-    if m <= 64:
-        tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, block_n)
-        programs = PROGRAMS_PER_SM * (_sm_count(device) if device.type == "cuda" else 2)
-        # partials: split * m * n * 4 bytes against the weight's n * k * bits / 8
-        by_traffic = int(SPLIT_WORKSPACE_RATIO * k * weight_bits / (32 * m))
-        split = max(1, min(triton.cdiv(programs, tiles), triton.cdiv(k, block_k), by_traffic))
-    return GemmConfig(cfg.block_m, block_n, block_k, split, cfg.num_warps, cfg.num_stages)
-
-
-def split_bounds(k: int, cfg: GemmConfig) -> tuple[int, int]:
-    """(K columns per split, number of non-empty splits): each split covers whole K tiles."""
-    k_tiles = triton.cdiv(k, cfg.block_k)
-    per_split = triton.cdiv(k_tiles, cfg.split_k) * cfg.block_k
-    return per_split, triton.cdiv(k, per_split)
-
-
-def dot_options(x: torch.Tensor) -> dict:
-    """Kernel keywords for the dot of ``x``'s dtype: exact fp32 products for fp32 models; in the interpreter the
-    16-bit tiles are multiplied as fp32 copies (it would multiply bf16 tiles as their raw bits), which gives the
-    same exact products a GPU's 16-bit dot accumulates in fp32."""
-    interpreted = x.device.type != "cuda"
-    precision = "ieee" if x.dtype == torch.float32 or interpreted else "tf32"
-    return {"DOT_PRECISION": precision, "UPCAST_DOT": interpreted}
+TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+_FP8_FORMAT = tl.constexpr(FP8_WEIGHT)  # the same constant, readable inside the kernel
 
 
 @triton.jit
@@ -130,6 +60,71 @@ def store_partial(acc, rows, cols, M, N, ws_ptr):
     ws = ws_ptr + tl.program_id(2).to(tl.int64) * M * N
     mask = (rows < M)[:, None] & (cols < N)[None, :]
     tl.store(ws + rows[:, None] * N + cols[None, :], acc, mask=mask)
+
+
+@triton.jit
+def _quant_gemm_kernel(
+    x_ptr,  # [M, K], unit last stride
+    w_ptr,  # INT_WEIGHT: [ceil(K / V), N] int32, V = 32 // BITS values per word along K; FP8_WEIGHT: [N, K] uint8
+    s_ptr,  # INT_WEIGHT: [G, N] group scales; FP8_WEIGHT: [N] float32 row scales, applied in the epilogue
+    z_ptr,  # [G, N] uint8 zero points (INT_WEIGHT)
+    perm_ptr,  # [K] int32 (HAS_PERM)
+    bias_ptr,  # [N] (HAS_BIAS)
+    out_ptr,  # [M, N] output, or [SPLIT, M, N] float32 partials
+    M,
+    N,
+    K,
+    group_size,
+    k_per_split,  # K columns per program along axis 2, a multiple of BLOCK_K
+    stride_xm,
+    stride_om,
+    FORMAT: tl.constexpr,  # INT_WEIGHT or FP8_WEIGHT
+    BITS: tl.constexpr,
+    HAS_PERM: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SPLIT: tl.constexpr,  # write partial sums for _splitk_reduce_kernel
+    TILE_GROUP: tl.constexpr,  # every K tile lies in one group: one scale/zero row per tile
+    ROUND_DTYPE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+):
+    X: tl.constexpr = x_ptr.dtype.element_ty  # the activation dtype: the dequantized tile's
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    row_valid = rows < M
+    col_valid = cols < N
+    x_rows = x_ptr + rows[:, None] * stride_xm  # [BLOCK_M, 1]
+    w_cols = w_ptr + cols[None, :].to(tl.int64) * K  # [1, BLOCK_N]: FP8_WEIGHT's rows of W (dead code for INT_WEIGHT)
+    k_lo = tl.program_id(2) * k_per_split
+    k_hi = tl.minimum(K, k_lo + k_per_split)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)  # [BLOCK_K]
+        k_valid = offs_k < k_hi
+        if HAS_PERM:
+            src_k = tl.load(perm_ptr + offs_k, mask=k_valid, other=0)  # act order: gather x's columns
+        else:
+            src_k = offs_k
+        # Columns past K load as 0 in x, so whatever the weight holds there adds nothing.
+        x = tl.load(x_rows + src_k[None, :], mask=row_valid[:, None] & k_valid[None, :], other=0.0)
+        if FORMAT == _FP8_FORMAT:
+            w = fp8_weight_tile(w_cols, offs_k, k_valid, col_valid, X)
+        else:
+            w = int_weight_tile(
+                w_ptr, s_ptr, z_ptr, k0, k_hi, cols, N, group_size, BITS, TILE_GROUP, BLOCK_K, BLOCK_N, X
+            )
+        if UPCAST_DOT:
+            acc += tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision=DOT_PRECISION)
+        else:
+            acc += tl.dot(x, w, input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_K] @ [BLOCK_K, BLOCK_N]
+    if SPLIT:
+        store_partial(acc, rows, cols, M, N, out_ptr)
+    else:
+        has_col_scale: tl.constexpr = FORMAT == _FP8_FORMAT
+        store_output(acc, rows, cols, M, N, out_ptr, stride_om, s_ptr, bias_ptr, has_col_scale, HAS_BIAS, ROUND_DTYPE)
 
 
 @triton.jit
@@ -183,9 +178,6 @@ def splitk_reduce(ws: torch.Tensor, out: torch.Tensor, col_scale, bias, round_dt
     )
 
 
-TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
-
-
 def check_activation(x: torch.Tensor, in_features: int, device: torch.device) -> None:
     """x must be [..., in_features] in a float dtype the kernels take, on the weight's device."""
     if x.dim() < 1 or x.shape[-1] != in_features:
@@ -198,5 +190,77 @@ def check_activation(x: torch.Tensor, in_features: int, device: torch.device) ->
 
 def as_rows(x: torch.Tensor) -> torch.Tensor:
     """x [..., K] as [M, K] with unit last stride (a view when one exists)."""
-    rows = x.reshape(-1, x.shape[-1])
-    return rows if rows.stride(-1) == 1 else rows.contiguous()
+    return unit_last_stride(x.reshape(-1, x.shape[-1]))
+
+
+def check_bias(bias: Optional[torch.Tensor], n: int, device: torch.device) -> None:
+    """A bias must be a float [n] tensor on the activations' device."""
+    if bias is not None and (bias.shape != (n,) or bias.device != device or not bias.is_floating_point()):
+        raise ValueError(f"bias must be a float [{n}] tensor on {device}, got {bias.dtype} {tuple(bias.shape)}")
+
+
+@dataclass(frozen=True, slots=True)
+class GemmWeight:
+    """A quantized weight as the GEMM kernel reads it (see :mod:`pagoda_kernels.weight_tiles` for the formats)."""
+
+    format: int  # INT_WEIGHT or FP8_WEIGHT
+    data: torch.Tensor  # INT_WEIGHT: [ceil(K / (32 // bits)), N] int32 words; FP8_WEIGHT: [N, K] uint8
+    scales: torch.Tensor  # INT_WEIGHT: [G, N]; FP8_WEIGHT: [N] float32, applied in the epilogue
+    out_features: int
+    in_features: int
+    bits: int  # stored bits per value: the split-K workspace is sized against the weight's bytes
+    zeros: Optional[torch.Tensor] = None  # INT_WEIGHT: [G, N] uint8
+    perm: Optional[torch.Tensor] = None  # [K] int32: input k of the kernel reads column perm[k] of x
+    group_size: int = 0  # INT_WEIGHT: inputs per scale row
+    k_granule: int = 0  # K tiles must not straddle a multiple of this (a quantization group); 0: any K tile
+
+
+def launch_gemm(
+    x: torch.Tensor, weight: GemmWeight, bias: Optional[torch.Tensor], float_output: bool, config: Optional[GemmConfig]
+) -> torch.Tensor:
+    """``x [..., K] @ W^T (+ bias) -> [..., N]`` in x's dtype, or float32 rounded through x's dtype with
+    ``float_output``. ``config``: tiles instead of :func:`pagoda_kernels.gemm_tiles.gemm_config`'s (tests)."""
+    n, k = weight.out_features, weight.in_features
+    check_activation(x, k, weight.data.device)
+    check_bias(bias, n, x.device)
+    rows = as_rows(x)
+    m = rows.shape[0]
+    out = torch.empty((m, n), dtype=torch.float32 if float_output else x.dtype, device=x.device)
+    if m == 0:
+        return out.reshape(*x.shape[:-1], n)
+    cfg = config or gemm_config(x.device, m, n, k, weight.bits, weight.k_granule)
+    per_split, splits = split_bounds(k, cfg)
+    target = torch.empty((splits, m, n), dtype=torch.float32, device=x.device) if splits > 1 else out
+    round_dtype, granule = TL_DTYPES[x.dtype], weight.k_granule
+    _quant_gemm_kernel[(triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), splits)](
+        rows,
+        weight.data,
+        weight.scales,
+        weight.zeros if weight.zeros is not None else weight.data,  # placeholders are never read
+        weight.perm if weight.perm is not None else weight.data,
+        bias if bias is not None else weight.scales,
+        target,
+        m,
+        n,
+        k,
+        weight.group_size,
+        per_split,
+        rows.stride(0),
+        out.stride(0),
+        FORMAT=weight.format,
+        BITS=weight.bits,
+        HAS_PERM=weight.perm is not None,
+        HAS_BIAS=bias is not None,
+        SPLIT=splits > 1,
+        TILE_GROUP=granule == 0 or granule % cfg.block_k == 0,
+        ROUND_DTYPE=round_dtype,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+        **dot_options(x),
+    )
+    if splits > 1:
+        splitk_reduce(target, out, weight.scales if weight.format == FP8_WEIGHT else None, bias, round_dtype)
+    return out.reshape(*x.shape[:-1], n)

@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagoda_kernels.host import unit_last_stride
+
 # One program holds a whole row in registers; beyond this the row would have to be processed in chunks.
 _MAX_HIDDEN = 65536
 
@@ -78,8 +80,7 @@ def _check_args(x: torch.Tensor, weight: torch.Tensor) -> None:
 
 def _as_rows(t: torch.Tensor) -> torch.Tensor:
     """A [rows_outer, rows_inner, hidden] view of t (copying only when no such view exists)."""
-    if t.stride(-1) != 1:
-        t = t.contiguous()
+    t = unit_last_stride(t)
     if t.dim() == 3:
         return t
     if t.dim() == 2:

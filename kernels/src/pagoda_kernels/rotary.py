@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagoda_kernels.host import unit_last_stride
+
 # Elements (per half of head_dim) one program rotates; bounds registers for many-head models.
 _BLOCK_ELEMS = 4096
 
@@ -118,10 +120,6 @@ def _check_args(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.
         raise ValueError("q, k, cos and sin must be on one device")
 
 
-def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
 def apply_rotary(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -131,7 +129,7 @@ def apply_rotary(
     inputs are not modified. Computes in float32 and rounds once to the activation dtype.
     """
     _check_args(q, k, cos, sin)
-    q, k, cos, sin = (_unit_last_stride(t) for t in (q, k, cos, sin))
+    q, k, cos, sin = (unit_last_stride(t) for t in (q, k, cos, sin))
     num_tokens, num_q_heads, head_dim = q.shape
     num_k_heads = k.shape[1]
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)

@@ -1,3 +1,6 @@
-"""Kubernetes operator for Pagoda model servers (the operator itself arrives with the operator issue)."""
+"""Kubernetes operator for Pagoda model servers (run with ``kopf run -m pagoda_operator.main`` or
+``python -m pagoda_operator.run``)."""
 
-__version__ = "0.1.0"
+from pagoda_operator.version import __version__
+
+__all__ = ["__version__"]

@@ -42,9 +42,9 @@ import kopf
 from kubernetes_asyncio.client import ApiClient
 from kubernetes_asyncio.client.exceptions import ApiException
 
-from pagoda_operator import __version__
 from pagoda_operator.constants import FIELD_MANAGER
 from pagoda_operator.kube_config import SERVICE_ACCOUNT_TOKEN, KubeConfig
+from pagoda_operator.version import __version__
 
 logger = logging.getLogger(__name__)
 

@@ -15,16 +15,16 @@ True/AllAdaptersLoaded otherwise.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import aiohttp
 
 from pagoda_operator.builders.lora import adapter_list
+from pagoda_operator.conditions import Condition
 from pagoda_operator.pods import is_ready, pod_url
 from pagoda_operator.spec import ModelDeploymentSpec
-from pagoda_operator.status import Condition
 
 FETCH_TIMEOUT_SECONDS = 2.0
 CONDITION = "LoraAdaptersReady"
@@ -92,28 +92,36 @@ def _entry(name: str, path: str, reports: Sequence[PodAdapters]) -> tuple[dict[s
     return entry, pending
 
 
-def _more(count: int, what: str) -> str:
-    return f" (and {count} more {what})" if count else ""
+def _naming_the_first(
+    reason: str, entries: Sequence[dict[str, Any]], what: str, says: Callable[[dict[str, Any]], str]
+) -> Condition:
+    """False with ``reason``: what ``says`` of the first adapter of ``entries``, and how many more are ``what``."""
+    first = entries[0]
+    more = f" (and {len(entries) - 1} more {what})" if len(entries) > 1 else ""
+    return Condition(CONDITION, False, reason, f"adapter {first['name']} {says(first)}{more}")
 
 
 def lora_condition(entries: Sequence[dict[str, Any]], pending: Sequence[int], ready: int, answered: int) -> Condition:
     """The ``LoraAdaptersReady`` condition for the entries of ``lora_status`` (see the module docstring)."""
     failed = [e for e in entries if e["failedPods"]]
     if failed:
-        first = failed[0]
-        message = (
-            f"adapter {first['name']} failed to load on {first['failedPods']} of {ready} ready pods "
-            f"({first['message']}){_more(len(failed) - 1, 'failed')}"
+        return _naming_the_first(
+            "AdapterLoadFailed",
+            failed,
+            "failed",
+            lambda e: f"failed to load on {e['failedPods']} of {ready} ready pods ({e['message']})",
         )
-        return Condition(CONDITION, False, "AdapterLoadFailed", message)
     waiting = [e for e, count in zip(entries, pending) if count]
     if waiting:
-        first = waiting[0]
-        message = (
-            f"adapter {first['name']} is loaded on {first['loadedPods']} of {ready} ready pods; the others have not "
-            f"read the current adapter list yet{_more(len(waiting) - 1, 'pending')}"
+        return _naming_the_first(
+            "AdapterPending",
+            waiting,
+            "pending",
+            lambda e: (
+                f"is loaded on {e['loadedPods']} of {ready} ready pods; the others have not read the current "
+                "adapter list yet"
+            ),
         )
-        return Condition(CONDITION, False, "AdapterPending", message)
     if ready == 0:
         return Condition(CONDITION, None, "NoReadyPods", "no ready pod to load the adapters on")
     if answered < ready:

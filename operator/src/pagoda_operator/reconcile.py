@@ -23,18 +23,17 @@ import kopf
 
 from pagoda_operator.builders import (
     Owner,
+    build_children,
     build_deployment,
-    build_hpa,
-    build_lora_config_map,
-    build_pdb,
-    build_service,
     lora_config_map_name,
+    replicas_apply,
     selector_labels,
     selector_string,
 )
 from pagoda_operator.builders.disruption import PDB_API_VERSION, PDB_PLURAL
 from pagoda_operator.builders.service import endpoint_url
 from pagoda_operator.capabilities import check_capabilities
+from pagoda_operator.conditions import find_condition
 from pagoda_operator.constants import API_VERSION, AUTOSCALER_FIELD_MANAGER, FIELD_MANAGER, PLURAL
 from pagoda_operator.kube import KubeClient, object_path, path_of
 from pagoda_operator.lora_status import observe_lora
@@ -44,6 +43,27 @@ from pagoda_operator.status import compute_status, status_changes
 
 # What every write changes by itself (or what no apply sets): not a difference worth writing for.
 _VOLATILE_METADATA = frozenset({"managedFields", "resourceVersion", "generation"})
+# Where each kind of child lives, in the order ``delete_children`` deletes them.
+_CHILD_RESOURCES = {
+    "HorizontalPodAutoscaler": ("autoscaling/v2", "horizontalpodautoscalers"),
+    "PodDisruptionBudget": (PDB_API_VERSION, PDB_PLURAL),
+    "Service": ("v1", "services"),
+    "Deployment": ("apps/v1", "deployments"),
+    "ConfigMap": ("v1", "configmaps"),
+}
+# The children a spec may do without (``build_children`` gives None): the reconciler deletes one no longer wanted.
+_OPTIONAL_CHILDREN = ("HorizontalPodAutoscaler", "PodDisruptionBudget")
+
+
+def child_name(kind: str, owner: Owner) -> str:
+    """The name of ``owner``'s child of ``kind``: the owner's own, but the adapter list has one of its own."""
+    return lora_config_map_name(owner) if kind == "ConfigMap" else owner.name
+
+
+def child_path(kind: str, owner: Owner) -> str:
+    """The REST path of ``owner``'s child of ``kind``."""
+    api_version, plural = _CHILD_RESOURCES[kind]
+    return object_path(api_version, plural, owner.namespace, child_name(kind, owner))
 
 
 def comparable(obj: Mapping[str, Any]) -> dict[str, Any]:
@@ -101,86 +121,72 @@ def _version(obj: Mapping[str, Any]) -> Optional[str]:
 
 async def _hand_replicas_to_autoscaler(kube: KubeClient, owner: Owner, replicas: int) -> None:
     """Make the autoscaler's field manager an owner of the Deployment's replicas, at their current value."""
-    patch = {
-        "apiVersion": "apps/v1",
-        "kind": "Deployment",
-        "metadata": {"name": owner.name, "namespace": owner.namespace},
-        "spec": {"replicas": replicas},
-    }
-    await kube.apply(patch, manager=AUTOSCALER_FIELD_MANAGER)
+    await kube.apply(replicas_apply(owner, replicas), manager=AUTOSCALER_FIELD_MANAGER)
 
 
-async def _apply_deployment(kube: KubeClient, body: Mapping[str, Any], spec: ModelDeploymentSpec, owner: Owner) -> None:
-    """The Deployment, with ``spec.replicas`` when autoscaling is off. Turning autoscaling on keeps the live count:
-    the autoscaler's manager takes the field over before the operator's apply leaves it out (an apply that omits
-    a field it alone owned would remove it, and the Deployment would drop to 1 replica)."""
+async def _apply_deployment(
+    kube: KubeClient, body: Mapping[str, Any], spec: ModelDeploymentSpec, owner: Owner, deployment: dict[str, Any]
+) -> None:
+    """The Deployment (``deployment``: built with ``spec.replicas``), with its replicas when autoscaling is off.
+    Turning autoscaling on keeps the live count: the autoscaler's manager takes the field over before the operator's
+    apply leaves it out (an apply that omits a field it alone owned would remove it, and the Deployment would drop
+    to 1 replica)."""
     if not spec.autoscaling.enabled:
-        await _ensure(kube, body, build_deployment(spec, owner, include_replicas=True))
+        await _ensure(kube, body, deployment)
         return
-    live = await kube.get(object_path("apps/v1", "deployments", owner.namespace, owner.name))
+    live = await kube.get(child_path("Deployment", owner))
+    without_replicas = build_deployment(spec, owner, include_replicas=False)
     if live is None:  # created at minReplicas
-        await _ensure(kube, body, build_deployment(spec, owner, include_replicas=True), live=None)
+        await _ensure(kube, body, deployment, live=None)
         await _hand_replicas_to_autoscaler(kube, owner, spec.autoscaling.min_replicas)
-        await kube.apply(build_deployment(spec, owner, include_replicas=False))  # the operator lets go of replicas
+        await kube.apply(without_replicas)  # the operator lets go of replicas
     elif owns_replicas(live, FIELD_MANAGER):  # autoscaling was just switched on
         await _hand_replicas_to_autoscaler(kube, owner, int((live.get("spec") or {}).get("replicas", 1)))
-        await _ensure(kube, body, build_deployment(spec, owner, include_replicas=False), force=True, live=live)
+        await _ensure(kube, body, without_replicas, force=True, live=live)
     else:
-        await _ensure(kube, body, build_deployment(spec, owner, include_replicas=False), live=live)
+        await _ensure(kube, body, without_replicas, live=live)
 
 
-async def _delete_child(kube: KubeClient, body: Mapping[str, Any], path: str, kind: str, name: str) -> None:
+async def _delete_child(kube: KubeClient, body: Mapping[str, Any], kind: str, owner: Owner) -> None:
     """Delete a child that is no longer wanted, if it is there (an Event when it was)."""
+    path = child_path(kind, owner)
     if await kube.get(path) is not None and await kube.delete(path):
-        kopf.info(dict(body), reason="Deleted", message=f"deleted {kind} {name}")
+        kopf.info(dict(body), reason="Deleted", message=f"deleted {kind} {child_name(kind, owner)}")
 
 
 async def apply_children(kube: KubeClient, body: Mapping[str, Any], spec: ModelDeploymentSpec, owner: Owner) -> None:
     """Create or re-apply the adapter list, Deployment, Service, HPA and disruption budget; delete the ones no longer
     wanted."""
-    config_map = build_lora_config_map(spec, owner)
+    children = build_children(spec, owner, include_replicas=True)
+    config_map, deployment, service = children["ConfigMap"], children["Deployment"], children["Service"]
+    assert deployment is not None and service is not None  # every spec has these two
     if config_map is not None:
         await _ensure(kube, body, config_map)  # before the Deployment: its pods mount it
-    await _apply_deployment(kube, body, spec, owner)
-    await _ensure(kube, body, build_service(spec, owner))
-    hpa = build_hpa(spec, owner)
-    if hpa is not None:
-        await _ensure(kube, body, hpa)
-    else:
-        path = object_path("autoscaling/v2", "horizontalpodautoscalers", owner.namespace, owner.name)
-        await _delete_child(kube, body, path, "HorizontalPodAutoscaler", owner.name)
-    pdb = build_pdb(spec, owner)
-    if pdb is not None:
-        await _ensure(kube, body, pdb)
-    else:
-        path = object_path(PDB_API_VERSION, PDB_PLURAL, owner.namespace, owner.name)
-        await _delete_child(kube, body, path, "PodDisruptionBudget", owner.name)
+    await _apply_deployment(kube, body, spec, owner, deployment)
+    await _ensure(kube, body, service)
+    for kind in _OPTIONAL_CHILDREN:
+        manifest = children[kind]
+        if manifest is not None:
+            await _ensure(kube, body, manifest)
+        else:
+            await _delete_child(kube, body, kind, owner)
     if config_map is None:  # LoRA off: after the Deployment, whose new template no longer mounts it
-        name = lora_config_map_name(owner)
-        await _delete_child(kube, body, object_path("v1", "configmaps", owner.namespace, name), "ConfigMap", name)
+        await _delete_child(kube, body, "ConfigMap", owner)
 
 
 async def delete_children(kube: KubeClient, body: Mapping[str, Any]) -> None:
     """Delete every child by name: works without a garbage collector, and owner references cover the rest."""
-    meta = body["metadata"]
-    for api_version, plural in (
-        ("autoscaling/v2", "horizontalpodautoscalers"),
-        (PDB_API_VERSION, PDB_PLURAL),
-        ("v1", "services"),
-        ("apps/v1", "deployments"),
-    ):
-        await kube.delete(object_path(api_version, plural, meta["namespace"], meta["name"]))
-    await kube.delete(object_path("v1", "configmaps", meta["namespace"], lora_config_map_name(Owner.from_body(body))))
+    owner = Owner.from_body(body)
+    for kind in _CHILD_RESOURCES:
+        await kube.delete(child_path(kind, owner))
 
 
 def _report_invalid(body: Mapping[str, Any], error: InvalidSpec, reported: dict[str, str]) -> None:
     # Only on a change: the timer re-reconciles an invalid resource every interval and must not spam events.
     # ``reported`` (the resource's kopf memo) covers handlers racing on a body whose status is not patched yet;
     # the status check covers operator restarts.
-    previous = [c for c in (body.get("status") or {}).get("conditions") or [] if c.get("type") == "Degraded"]
-    in_status = (
-        bool(previous) and previous[0].get("reason") == "InvalidSpec" and error.field in previous[0].get("message", "")
-    )
+    degraded = find_condition(body.get("status") or {}, "Degraded") or {}
+    in_status = degraded.get("reason") == "InvalidSpec" and error.field in degraded.get("message", "")
     if reported.get("invalid") != str(error) and not in_status:
         kopf.warn(dict(body), reason="InvalidSpec", message=str(error))
     reported["invalid"] = str(error)
@@ -191,6 +197,14 @@ def validated_spec(body: Mapping[str, Any]) -> ModelDeploymentSpec:
     spec = parse_spec(body)
     check_capabilities(spec)
     return spec
+
+
+def spec_or_error(body: Mapping[str, Any]) -> tuple[Optional[ModelDeploymentSpec], Optional[InvalidSpec]]:
+    """``(validated_spec(body), None)``, or ``(None, why it is invalid)``: one of the two is None."""
+    try:
+        return validated_spec(body), None
+    except InvalidSpec as error:
+        return None, error
 
 
 async def observe(
@@ -207,7 +221,7 @@ async def observe(
     when the caller worked it out (it saw a change of spec.replicas); by default the one the status already holds."""
     owner = Owner.from_body(body)
     previous = body.get("status") or {}
-    deployment = await kube.get(object_path("apps/v1", "deployments", owner.namespace, owner.name))
+    deployment = await kube.get(child_path("Deployment", owner))
     pods = await kube.list(object_path("v1", "pods", owner.namespace), selector_labels(owner)) if deployment else []
     return compute_status(
         error=error,
@@ -239,14 +253,10 @@ async def reconcile(
     being handled, when autoscaling ignores that change (``scale_status.ignored_scale_from``).
     """
     owner = Owner.from_body(body)
-    error: Optional[InvalidSpec] = None
-    spec: Optional[ModelDeploymentSpec] = None
-    try:
-        spec = validated_spec(body)
-    except InvalidSpec as exc:
-        error = exc
-        _report_invalid(body, exc, {} if reported is None else reported)
-    else:
+    spec, error = spec_or_error(body)
+    if error is not None:
+        _report_invalid(body, error, {} if reported is None else reported)
+    elif spec is not None:
         if reported is not None:
             reported.pop("invalid", None)  # a later, identical mistake is news again
         await apply_children(kube, body, spec, owner)
@@ -266,12 +276,7 @@ async def refresh_owner_status(
     body = await kube.get(path)
     if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
         return
-    error: Optional[InvalidSpec] = None
-    spec: Optional[ModelDeploymentSpec] = None
-    try:
-        spec = validated_spec(body)
-    except InvalidSpec as exc:
-        error = exc
+    spec, error = spec_or_error(body)
     status = await observe(kube, body, spec, error, datetime.datetime.now(datetime.UTC), session)
     changes = status_changes(body.get("status") or {}, status)
     if changes:

@@ -27,8 +27,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from pagoda_operator.conditions import Condition, find_condition
 from pagoda_operator.spec import Autoscaling, ModelDeploymentSpec
-from pagoda_operator.status import Condition
 
 CONDITION = "ScaleIgnored"
 
@@ -72,7 +72,7 @@ def scale_status(
     ``previous`` and, when this pass handles a change of ``spec.replicas`` made while autoscaling was on, the value
     before it (``scaled_from``, from ``ignored_scale_from``)."""
     record = previous.get("ignoredScale") or None
-    before = next((c for c in previous.get("conditions") or [] if c.get("type") == CONDITION), None)
+    before = find_condition(previous, CONDITION)
     if spec is None:
         return ScaleStatus(_as_condition(before), record)
     scaling = spec.autoscaling

@@ -33,9 +33,18 @@ class InvalidSpec(ValueError):
     """A spec problem the schema cannot express; ``field`` is its path, e.g. ``spec.autoscaling.minReplicas``."""
 
     def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}")
-        self.field = field
-        self.message = message
+        super().__init__(field, message)  # both in ``args``: the error copies and pickles like any ValueError
+
+    @property
+    def field(self) -> str:
+        return str(self.args[0])
+
+    @property
+    def message(self) -> str:
+        return str(self.args[1])
+
+    def __str__(self) -> str:
+        return f"{self.field}: {self.message}"
 
 
 @dataclass(slots=True, frozen=True)

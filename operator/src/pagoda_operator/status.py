@@ -16,14 +16,12 @@ from __future__ import annotations
 import datetime
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
+from pagoda_operator.conditions import Condition, render_conditions
+from pagoda_operator.lora_status import LoraStatus
+from pagoda_operator.scale_status import ScaleStatus
 from pagoda_operator.spec import InvalidSpec
-
-if TYPE_CHECKING:  # lora_status and scale_status build their conditions with this module's Condition
-    from pagoda_operator.lora_status import LoraStatus
-    from pagoda_operator.scale_status import ScaleStatus
 
 # The kubelet's waiting reasons for a container it cannot start at all. They are reported as they are (the reason
 # says what to fix), with the kubelet's message: for pulls it names the image, for the start failures the missing
@@ -43,16 +41,6 @@ STARTUP_REASONS = (
     "ModelLoadFailed",
 )
 _REASON_LINE = re.compile(rf"^({'|'.join(STARTUP_REASONS)}): (.*)$", re.DOTALL)
-
-
-@dataclass(slots=True, frozen=True)
-class Condition:
-    """One status condition before timestamps are attached; ``status`` None is Unknown."""
-
-    type: str
-    status: Optional[bool]
-    reason: str
-    message: str
 
 
 def unschedulable(pods: Sequence[Mapping[str, Any]]) -> Optional[Condition]:
@@ -172,32 +160,6 @@ def compute_conditions(
             "Progressing", True, "RollingOut", f"{updated}/{wanted} replicas updated, {ready} ready"
         )
     return [ready_condition, progressing, degraded]
-
-
-def render_conditions(
-    conditions: Sequence[Condition],
-    previous: Sequence[Mapping[str, Any]],
-    generation: Optional[int],
-    now: datetime.datetime,
-) -> list[dict[str, Any]]:
-    """Conditions as status dicts; a condition keeps its lastTransitionTime while its status does not change."""
-    before = {c.get("type"): c for c in previous}
-    stamp = now.astimezone(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-    rendered: list[dict[str, Any]] = []
-    for condition in conditions:
-        status = {True: "True", False: "False", None: "Unknown"}[condition.status]
-        old = before.get(condition.type) or {}
-        item: dict[str, Any] = {
-            "type": condition.type,
-            "status": status,
-            "reason": condition.reason,
-            "message": condition.message,
-            "lastTransitionTime": old.get("lastTransitionTime", stamp) if old.get("status") == status else stamp,
-        }
-        if generation is not None:
-            item["observedGeneration"] = generation
-        rendered.append(item)
-    return rendered
 
 
 def compute_status(

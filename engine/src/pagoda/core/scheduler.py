@@ -64,11 +64,8 @@ class Scheduler:
         return finished
 
     @property
-    def num_running(self) -> int:
-        return len(self.running)
-
-    @property
     def num_waiting(self) -> int:
+        """Sequences waiting for admission, preempted ones included."""
         return len(self.waiting)
 
     def has_unfinished_requests(self) -> bool:

@@ -2,7 +2,7 @@
 
 Hosts of one machine kind differ (a Zen 4 EPYC with AVX512-BF16 and no AMX, a Xeon with AMX tiles), and a kernel
 tuned on one loses up to 5x on the other. These facts key the kernel-selection cache
-(:mod:`pagoda.layers.kernel_selection`) and are printed beside benchmark tables.
+(:mod:`pagoda.cpu.kernel_selection`) and are printed beside benchmark tables.
 """
 
 from __future__ import annotations

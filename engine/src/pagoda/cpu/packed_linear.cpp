@@ -16,14 +16,15 @@
 //   matching 32 up rows; its epilogue writes silu(gate) * up.
 // - int8 weights (weight-only quantization, per-row scale): packed_linear_int8.cpp, gated too.
 //
-// Tiles are split across ATen's thread pool, the pool every other op of the engine uses (packed_tiles.h).
+// Tiles are split across ATen's thread pool, the pool every other op of the engine uses (packed_tiles.h); the ops'
+// checks and output dispatch are shared by all packed linears (packed_dispatch.h).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <immintrin.h>
 
-#include "packed_tiles.h"
+#include "packed_dispatch.h"
 
 namespace {
 
@@ -53,25 +54,18 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
   const int64_t pairs = packed.size(1);
   const auto x2 = padded_rows(x, pairs);
   const int64_t M = x2.size(0);
-  auto y = output_like(x, N, M, float_out);
-  auto b = float_bias(bias, N);
+  const auto b = float_bias(bias, N);
   const auto* xp = reinterpret_cast<const uint32_t*>(x2.data_ptr());
   const auto* wp = static_cast<const char*>(packed.data_ptr());
-  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+  const float* bp = float_data_or_null(b);
   const int64_t tile_bytes = pairs * kTile * 2 * 2;
-  auto run = [&](auto* yp) {
+  return linear_output<at::BFloat16>(x, N, M, float_out, [&](auto* yp) {
     run_tiles<Bf16Pass>(xp, M, pairs, wp, tile_bytes, packed.size(0), [&](const float* acc, int64_t t) {
       store_tile<at::BFloat16>(acc, M, t * kTile, nullptr, nullptr, bp, yp, N);
     });
-  };
-  if (float_out) {
-    run(y.data_ptr<float>());
-  } else {
-    run(y.data_ptr<at::BFloat16>());
-  }
-  return view_output(y, x, N);
+  });
 #else
-  TORCH_CHECK(false, "bf16_linear needs AVX512-BF16, which this build lacks");
+  missing_isa("bf16_linear", "AVX512-BF16");
 #endif
 }
 
@@ -86,16 +80,15 @@ at::Tensor bf16_silu_mul_linear(const at::Tensor& x, const at::Tensor& packed, i
   const int64_t pairs = packed.size(1);
   const auto x2 = padded_rows(x, pairs);
   const int64_t M = x2.size(0);
-  auto y = at::empty({M, n}, x.options());
-  auto b = float_bias(bias, 2 * n);
-  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
-  at::BFloat16* yp = y.data_ptr<at::BFloat16>();
-  run_tiles<Bf16Pass>(reinterpret_cast<const uint32_t*>(x2.data_ptr()), M, pairs, static_cast<const char*>(packed.data_ptr()),
-                      pairs * kTile * 2 * 2, packed.size(0),
-                      [&](const float* acc, int64_t t) { store_gated_tile(acc, M, t, nullptr, nullptr, bp, yp, n); });
-  return view_output(y, x, n);
+  const auto b = float_bias(bias, 2 * n);
+  const float* bp = float_data_or_null(b);
+  return gated_output(x, n, M, [&](at::BFloat16* yp) {
+    run_tiles<Bf16Pass>(reinterpret_cast<const uint32_t*>(x2.data_ptr()), M, pairs,
+                        static_cast<const char*>(packed.data_ptr()), pairs * kTile * 2 * 2, packed.size(0),
+                        [&](const float* acc, int64_t t) { store_gated_tile(acc, M, t, nullptr, nullptr, bp, yp, n); });
+  });
 #else
-  TORCH_CHECK(false, "bf16_silu_mul_linear needs AVX512-BF16, which this build lacks");
+  missing_isa("bf16_silu_mul_linear", "AVX512-BF16");
 #endif
 }
 

@@ -27,13 +27,18 @@
 
 #include <immintrin.h>
 
-#include "packed_tiles.h"
-
-#if defined(PAGODA_BF16_DOT) && defined(__AVX512VBMI__)
-#define PAGODA_FP8_WIDEN 1
-#endif
+#include "packed_dispatch.h"
 
 namespace {
+
+// Whether this build (compiled for this machine) has the fp8 kernels, which fp8_linear_support() reports: they
+// widen with vpermi2b (AVX512-VBMI) and run vdpbf16ps.
+#if defined(PAGODA_BF16_DOT) && defined(__AVX512VBMI__)
+#define PAGODA_FP8_WIDEN 1
+constexpr bool kFp8Kernels = true;
+#else
+constexpr bool kFp8Kernels = false;
+#endif
 
 using namespace pagoda_packed;
 
@@ -204,25 +209,16 @@ at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& packed, const at::T
 #ifdef PAGODA_FP8_WIDEN
   check_packed(x, packed, N);
   check_fp8(x, packed, scales, N);
-  const auto s = scales.contiguous();
-  const auto b = float_bias(bias, N);
-  const int64_t M = x.numel() / std::max<int64_t>(x.size(-1), 1);
-  auto y = output_like(x, N, M, float_out);
-  const float* cs = s.data_ptr<float>();
-  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
-  auto run = [&](auto* yp) {
+  const ScaledEpilogue e(scales, bias, N);
+  const float *cs = e.col_scale, *bp = e.bias_data;
+  const int64_t M = row_count(x);
+  return linear_output<at::BFloat16>(x, N, M, float_out, [&](auto* yp) {
     fp8_tiles(x, packed, [&](const float* acc, int64_t t) {
       store_tile<at::BFloat16>(acc, M, t * kTile, cs, nullptr, bp, yp, N);
     });
-  };
-  if (float_out) {
-    run(y.data_ptr<float>());
-  } else {
-    run(y.data_ptr<at::BFloat16>());
-  }
-  return view_output(y, x, N);
+  });
 #else
-  TORCH_CHECK(false, "fp8_linear needs AVX512-BF16 and AVX512-VBMI, which this build lacks");
+  missing_isa("fp8_linear", "AVX512-BF16 and AVX512-VBMI");
 #endif
 }
 
@@ -233,26 +229,16 @@ at::Tensor fp8_silu_mul_linear(const at::Tensor& x, const at::Tensor& packed, co
 #ifdef PAGODA_FP8_WIDEN
   check_gated(x, packed, n);
   check_fp8(x, packed, scales, 2 * n);
-  const auto s = scales.contiguous();
-  const auto b = float_bias(bias, 2 * n);
-  const int64_t M = x.numel() / std::max<int64_t>(x.size(-1), 1);
-  auto y = at::empty({M, n}, x.options());
-  const float* cs = s.data_ptr<float>();
-  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
-  at::BFloat16* yp = y.data_ptr<at::BFloat16>();
-  fp8_tiles(x, packed, [&](const float* acc, int64_t t) { store_gated_tile(acc, M, t, cs, nullptr, bp, yp, n); });
-  return view_output(y, x, n);
+  const ScaledEpilogue e(scales, bias, 2 * n);
+  const float *cs = e.col_scale, *bp = e.bias_data;
+  const int64_t M = row_count(x);
+  return gated_output(x, n, M, [&](at::BFloat16* yp) {
+    fp8_tiles(x, packed, [&](const float* acc, int64_t t) {
+      store_gated_tile(acc, M, t, cs, nullptr, bp, yp, n);
+    });
+  });
 #else
-  TORCH_CHECK(false, "fp8_silu_mul_linear needs AVX512-BF16 and AVX512-VBMI, which this build lacks");
-#endif
-}
-
-// Whether this build (compiled for this machine) has the fp8 kernels.
-bool fp8_linear_support() {
-#ifdef PAGODA_FP8_WIDEN
-  return true;
-#else
-  return false;
+  missing_isa("fp8_silu_mul_linear", "AVX512-BF16 and AVX512-VBMI");
 #endif
 }
 
@@ -261,7 +247,7 @@ bool fp8_linear_support() {
 TORCH_LIBRARY_FRAGMENT(pagoda_cpu, m) {
   m.def("fp8_linear(Tensor x, Tensor packed, Tensor scales, int n, Tensor? bias, bool float_out=False) -> Tensor");
   m.def("fp8_silu_mul_linear(Tensor x, Tensor packed, Tensor scales, int n, Tensor? bias) -> Tensor");
-  m.def("fp8_linear_support() -> bool", &fp8_linear_support);
+  m.def("fp8_linear_support() -> bool", [] { return kFp8Kernels; });
 }
 
 TORCH_LIBRARY_IMPL(pagoda_cpu, CPU, m) {

@@ -34,7 +34,7 @@
 
 #include <immintrin.h>
 
-#include "packed_tiles.h"
+#include "packed_dispatch.h"
 
 namespace {
 
@@ -285,22 +285,15 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
 #ifdef PAGODA_BF16_DOT
   std::vector<at::Tensor> holders;
   const Int4Problem pr = prepare(x, packed, N, group, bits, holders);
-  auto y = output_like(x, N, pr.M, float_out);
   const auto b = float_bias(bias, N);
-  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
-  auto run = [&](auto* yp) {
+  const float* bp = float_data_or_null(b);
+  return linear_output<at::BFloat16>(x, N, pr.M, float_out, [&](auto* yp) {
     int4_tiles(pr, packed.data_ptr<uint8_t>(), packed.size(0), [&](const float* acc, int64_t t) {
       store_tile<at::BFloat16>(acc, pr.M, t * kTile, nullptr, nullptr, bp, yp, N);
     });
-  };
-  if (float_out) {
-    run(y.data_ptr<float>());
-  } else {
-    run(y.data_ptr<at::BFloat16>());
-  }
-  return view_output(y, x, N);
+  });
 #else
-  TORCH_CHECK(false, "int4_linear needs AVX512-BF16, which this build lacks");
+  missing_isa("int4_linear", "AVX512-BF16");
 #endif
 }
 
@@ -309,18 +302,17 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
 at::Tensor int4_silu_mul_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t group, int64_t bits,
                                 const std::optional<at::Tensor>& bias) {
 #ifdef PAGODA_BF16_DOT
-  TORCH_CHECK(n % (kTile / 2) == 0 && packed.size(0) * kTile == 2 * n, "a gated weight holds 2n rows, n % 32 == 0");
+  check_gated_rows(packed, n);
   std::vector<at::Tensor> holders;
   const Int4Problem pr = prepare(x, packed, 2 * n, group, bits, holders);
-  auto y = at::empty({pr.M, n}, x.options());
   const auto b = float_bias(bias, 2 * n);
-  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
-  at::BFloat16* yp = y.data_ptr<at::BFloat16>();
-  int4_tiles(pr, packed.data_ptr<uint8_t>(), packed.size(0),
-             [&](const float* acc, int64_t t) { store_gated_tile(acc, pr.M, t, nullptr, nullptr, bp, yp, n); });
-  return view_output(y, x, n);
+  const float* bp = float_data_or_null(b);
+  return gated_output(x, n, pr.M, [&](at::BFloat16* yp) {
+    int4_tiles(pr, packed.data_ptr<uint8_t>(), packed.size(0),
+               [&](const float* acc, int64_t t) { store_gated_tile(acc, pr.M, t, nullptr, nullptr, bp, yp, n); });
+  });
 #else
-  TORCH_CHECK(false, "int4_silu_mul_linear needs AVX512-BF16, which this build lacks");
+  missing_isa("int4_silu_mul_linear", "AVX512-BF16");
 #endif
 }
 

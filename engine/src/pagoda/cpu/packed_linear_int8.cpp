@@ -16,7 +16,7 @@
 
 #include <immintrin.h>
 
-#include "packed_tiles.h"
+#include "packed_dispatch.h"
 
 namespace {
 
@@ -26,12 +26,6 @@ constexpr int32_t kActMax = 16383;
 constexpr int64_t kInt8ChunkPairs = 128;   // 256 products of |16383 * 127| per lane stay below 2^31
 
 #ifdef PAGODA_INT16_DOT
-// isum += pairwise int16 dot of w with the pair *x in every lane, broadcast from memory as in the bf16 kernel.
-inline __m512i dot_broadcast(__m512i isum, __m512i w, const uint32_t* x) {
-  asm("vpdpwssd (%2)%{1to16%}, %1, %0" : "+v"(isum) : "v"(w), "r"(x));
-  return isum;
-}
-
 // acc[m][64] (+)= x[m] . tile rows over pairs [p0, p1): int16 activation pairs x int8 weights
 template <int MR>
 inline void int8_pass(const uint32_t* x, int64_t x_pairs, const int8_t* tile, int64_t p0, int64_t p1, float* acc,
@@ -160,27 +154,18 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
 #ifdef PAGODA_INT16_DOT
   check_packed(x, packed, N);
   check_int8(packed, scales, N);
-  const auto s = scales.contiguous();
-  const auto b = float_bias(bias, N);
-  const int64_t M = x.numel() / std::max<int64_t>(x.size(-1), 1);
-  auto y = output_like(x, N, M, float_out);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "int8_linear", [&] {
-    const float* cs = s.data_ptr<float>();
-    const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
-    auto run = [&](auto* yp) {
+  const ScaledEpilogue e(scales, bias, N);
+  const float *cs = e.col_scale, *bp = e.bias_data;
+  const int64_t M = row_count(x);
+  return AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "int8_linear", [&] {
+    return linear_output<scalar_t>(x, N, M, float_out, [&](auto* yp) {
       int8_tiles(x, packed, [&](const float* acc, int64_t t, const float* rs) {
         store_tile<scalar_t>(acc, M, t * kTile, cs, rs, bp, yp, N);
       });
-    };
-    if (float_out) {
-      run(y.data_ptr<float>());
-    } else {
-      run(y.data_ptr<scalar_t>());
-    }
+    });
   });
-  return view_output(y, x, N);
 #else
-  TORCH_CHECK(false, "int8_linear needs AVX512-VNNI, which this build lacks");
+  missing_isa("int8_linear", "AVX512-VNNI");
 #endif
 }
 
@@ -191,17 +176,16 @@ at::Tensor int8_silu_mul_linear(const at::Tensor& x, const at::Tensor& packed, c
 #if defined(PAGODA_INT16_DOT) && defined(PAGODA_BF16_DOT)
   check_gated(x, packed, n);
   check_int8(packed, scales, 2 * n);
-  const auto s = scales.contiguous();
-  const auto b = float_bias(bias, 2 * n);
-  const int64_t M = x.numel() / std::max<int64_t>(x.size(-1), 1);
-  auto y = at::empty({M, n}, x.options());
-  const float* cs = s.data_ptr<float>();
-  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
-  at::BFloat16* yp = y.data_ptr<at::BFloat16>();
-  int8_tiles(x, packed, [&](const float* acc, int64_t t, const float* rs) { store_gated_tile(acc, M, t, cs, rs, bp, yp, n); });
-  return view_output(y, x, n);
+  const ScaledEpilogue e(scales, bias, 2 * n);
+  const float *cs = e.col_scale, *bp = e.bias_data;
+  const int64_t M = row_count(x);
+  return gated_output(x, n, M, [&](at::BFloat16* yp) {
+    int8_tiles(x, packed, [&](const float* acc, int64_t t, const float* rs) {
+      store_gated_tile(acc, M, t, cs, rs, bp, yp, n);
+    });
+  });
 #else
-  TORCH_CHECK(false, "int8_silu_mul_linear needs AVX512-VNNI and AVX512-BF16, which this build lacks");
+  missing_isa("int8_silu_mul_linear", "AVX512-VNNI and AVX512-BF16");
 #endif
 }
 

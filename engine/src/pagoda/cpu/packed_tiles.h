@@ -1,14 +1,14 @@
-// Shared machinery of the packed linear kernels (packed_linear.cpp: bf16, packed_linear_int8.cpp: int8): the tile
-// layout's constants, the row passes that accumulate a tile's float32 sums, and run_tiles, which splits tiles
-// across ATen's thread pool and hands each finished tile to an epilogue. The layout and the kernels are
-// described at the top of packed_linear.cpp.
+// Shared machinery of the packed linear kernels (packed_linear*.cpp: bf16, int8, int4, fp8): the tile layout's
+// constants, the broadcast dot products and row passes that accumulate a tile's float32 sums, the epilogues, and
+// run_tiles, which splits tiles across ATen's thread pool and hands each finished tile to an epilogue. The layout
+// and the kernels are described at the top of packed_linear.cpp; the ops' argument checks and output dispatch are
+// in packed_dispatch.h.
 #pragma once
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
-#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -73,6 +73,18 @@ inline __m512 dot_broadcast(__m512 sum, __m512bh w, const uint32_t* x) {
   asm("vdpbf16ps (%2)%{1to16%}, %1, %0" : "+v"(sum) : "v"(w), "r"(x));
   return sum;
 }
+#endif
+
+#ifdef PAGODA_INT16_DOT
+// isum += pairwise int16 dot of w with the pair *x in every lane, broadcast from memory as in the bf16 overload
+// (packed_linear_int8.cpp's int16 activation pairs against widened int8 weights).
+inline __m512i dot_broadcast(__m512i isum, __m512i w, const uint32_t* x) {
+  asm("vpdpwssd (%2)%{1to16%}, %1, %0" : "+v"(isum) : "v"(w), "r"(x));
+  return isum;
+}
+#endif
+
+#ifdef PAGODA_BF16_DOT
 
 // acc[m][64] (+)= x[m] . tile rows over pairs [p0, p1); x as bf16 pairs [MR][x_pairs]
 template <int MR>
@@ -219,50 +231,6 @@ inline void run_tiles(const uint32_t* x, int64_t M, int64_t pairs, const char* p
       epilogue(acc.data(), t);
     }
   });
-}
-
-// The optional bias as float32 [N] (undefined without one)
-inline at::Tensor float_bias(const std::optional<at::Tensor>& bias, int64_t N) {
-  if (!bias.has_value() || !bias->defined()) return at::Tensor();
-  TORCH_CHECK(bias->dim() == 1 && bias->numel() == N, "bias must be [", N, "], got ", bias->sizes());
-  return bias->to(at::kFloat).contiguous();
-}
-
-inline void check_packed(const at::Tensor& x, const at::Tensor& packed, int64_t N) {
-  TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "packed linear runs on the CPU");
-  TORCH_CHECK(packed.dim() == 4 && packed.size(2) == kTile && packed.size(3) == 2, "weight is not in packed layout");
-  TORCH_CHECK(packed.is_contiguous(), "packed weight must be contiguous");
-  TORCH_CHECK(N > 0 && N <= packed.size(0) * kTile, "N=", N, " does not fit the packed weight");
-  TORCH_CHECK((x.size(-1) + 1) / 2 == packed.size(1), "x has ", x.size(-1), " features, the weight ",
-              packed.size(1) * 2, " (padded)");
-}
-
-#ifdef PAGODA_BF16_DOT
-// The gated kernels' shape rules: 2n packed rows in tiles of 32 gate + 32 up rows.
-inline void check_gated(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
-  check_packed(x, packed, 2 * n);
-  TORCH_CHECK(n % (kTile / 2) == 0 && packed.size(0) * kTile == 2 * n, "a gated weight holds 2n rows, n % 32 == 0");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "the gated kernels take bf16 activations");
-}
-#endif
-
-// [M, N] in x's dtype, or float32 with float_out
-inline at::Tensor output_like(const at::Tensor& x, int64_t N, int64_t M, bool float_out) {
-  return at::empty({M, N}, float_out ? x.options().dtype(at::kFloat) : x.options());
-}
-
-// x as contiguous [M, 2 * pairs] rows, zero padded to the packed weight's k (an odd K)
-inline at::Tensor padded_rows(const at::Tensor& x, int64_t pairs) {
-  const int64_t K = x.size(-1);
-  auto rows = x.reshape({-1, K});
-  if (pairs * 2 != K) rows = at::constant_pad_nd(rows, {0, pairs * 2 - K});
-  return rows.contiguous();
-}
-
-inline at::Tensor view_output(const at::Tensor& y, const at::Tensor& x, int64_t N) {
-  auto sizes = x.sizes().vec();
-  sizes.back() = N;
-  return y.view(sizes);
 }
 
 }  // namespace pagoda_packed

@@ -19,14 +19,13 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
 #include <type_traits>
-#include <utility>
-#include <vector>
 
 #include <immintrin.h>
 

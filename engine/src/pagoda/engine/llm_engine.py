@@ -9,30 +9,24 @@ import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Optional, Union
 
 import torch
 
-from pagoda.config import EngineArgs, SchedulerConfig
+from pagoda.config import EngineArgs
 from pagoda.core.kv_cache_manager import KVCacheManager
 from pagoda.core.scheduler import Scheduler
-from pagoda.cpu import keep_freed_memory
+from pagoda.engine.engine_config import resolve_engine_config
 from pagoda.engine.lora_requests import LoRAEngineMixin
 from pagoda.engine.output_processor import OutputProcessor
-from pagoda.engine.runner_setup import start_model_runner
-from pagoda.layers.linear_kernels import validate_quantization
-from pagoda.model_config import ModelConfig, resolve_dtype
+from pagoda.executor import Executor, create_executor
 from pagoda.outputs import RequestOutput
-from pagoda.quantization.loading import quant_config_for
 from pagoda.request import Request, RequestStatus, sequence_id
-from pagoda.sampling_params import SamplingParams
+from pagoda.sampling_params import SamplingParams, validate_for_vocab
 from pagoda.structured_output.compiler import StructuredOutputCompiler
 from pagoda.structured_output.grammar import RequestGrammar
 from pagoda.structured_output.params import StructuredOutputsParams
 from pagoda.tokenizer import encode_prompt, get_tokenizer
-from pagoda.worker.attention_triton import resolve_attention_backend
-from pagoda.worker.sampler import validate_for_vocab
 
 logger = logging.getLogger(__name__)
 
@@ -62,45 +56,32 @@ class LLMEngine(LoRAEngineMixin):
     """Loads a model, sizes the KV cache, and drives scheduler + model runner step by step."""
 
     def __init__(self, args: EngineArgs) -> None:
-        args.validate()
-        args = args.with_local_paths()  # downloads a remote model (or finds it in the cache) first
-        self.args = args
-        model_path = Path(args.model)
-        self.model_config = ModelConfig.from_model_dir(model_path)
-        self.tokenizer = get_tokenizer(args.tokenizer or model_path)
-        self.device = _resolve_device(args.device)
-        # A flag the checkpoint contradicts, or a method this device lacks, fails before minutes of weight loading.
-        quant = quant_config_for(model_path, args.quantization)
-        validate_quantization(quant.method if quant is not None else None, self.device)
-        if quant is not None and quant.serialized and args.tensor_parallel_size > 1:
-            raise ValueError(
-                f"{quant.method} checkpoints are not sharded across tensor-parallel ranks yet: use "
-                "--tensor-parallel-size 1"
-            )
-        if self.device.type == "cpu":
-            keep_freed_memory()
-        self.dtype = resolve_dtype(args.dtype, self.model_config, self.device)
-        if quant is not None and self.device.type == "cpu" and args.dtype == "auto" and self.dtype == torch.float16:
-            # AWQ/GPTQ checkpoints are mostly float16; the CPU's quantized kernels take bfloat16 activations.
-            logger.info("quantized float16 checkpoint on CPU: running in bfloat16 (pass --dtype to override)")
-            self.dtype = torch.bfloat16
-        self.max_model_len = _resolve_max_model_len(args.max_model_len, self.model_config)
-        scheduler_config = SchedulerConfig.from_args(args, self.max_model_len)
-        torch.manual_seed(args.seed)
-        backend = resolve_attention_backend(args.attention_backend, self.device)
-        logger.info("attention backend: %s (%s)", backend, args.attention_backend)
-        self.runner, num_blocks = start_model_runner(
-            args, self.model_config, model_path, self.device, self.dtype, backend, scheduler_config, self.max_model_len
-        )
+        config = resolve_engine_config(args)  # downloads a remote model (or finds it in the cache) first
+        self.config = config
+        self.args = config.args
+        self.model_config = config.model_config
+        self.tokenizer = get_tokenizer(config.args.tokenizer or config.model_path)
+        self.device = config.device
+        self.dtype = config.dtype
+        self.max_model_len = config.max_model_len
+        torch.manual_seed(config.args.seed)
+        self.executor: Executor = create_executor(config.worker, config.parallel, config.cache)
+        try:
+            self.lora_registry = self._lora_registry(config)
+        except BaseException:
+            self.executor.shutdown()
+            raise
+        scheduler_config = config.scheduler
+        num_blocks = self.executor.num_blocks
         self.scheduler = Scheduler(
-            scheduler_config, KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching)
+            scheduler_config, KVCacheManager(num_blocks, self.args.block_size, self.args.enable_prefix_caching)
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self._structured_outputs: Optional[StructuredOutputCompiler] = None
         self._structured_outputs_lock = threading.Lock()
         self._structured_outputs_error: Optional[str] = None
         self._compiling: dict[str, Request] = {}  # sequence id -> request whose grammar is compiling
-        self._seed_rng = random.Random(args.seed)
+        self._seed_rng = random.Random(self.args.seed)
         self._arrival_seq = itertools.count()
         self.last_step_num_tokens = 0
 
@@ -174,9 +155,7 @@ class LLMEngine(LoRAEngineMixin):
         final output with ``error`` set; the other requests of the step carry on.
         """
         grammar_failures = self._poll_grammars()
-        lora = self.runner.lora
-        if lora is not None and lora.has_unloaded_in_use:  # their weights go once no request uses them
-            lora.release_unused({r.lora_id for r in self.scheduler.requests.values()} - {None})
+        self._release_unused_adapters()
         plan = self.scheduler.schedule()
         self.last_step_num_tokens = plan.num_batched_tokens
         if plan.is_empty:
@@ -186,10 +165,10 @@ class LLMEngine(LoRAEngineMixin):
             # start-up guarantees one max-length sequence fits, so work can always progress
             assert not self.scheduler.has_unfinished_requests(), "scheduler made no progress"
             return grammar_failures
-        lora_failures = self._fetch_adapters(plan) if self.runner.lora is not None else []
+        adapters, lora_failures = self._fetch_adapters(plan)
         if plan.is_empty:
             return grammar_failures + lora_failures
-        result = self.runner.execute(plan)
+        result = self.executor.execute_model(plan, adapters)
         failed = {self._external_id(seq_id): message for seq_id, message in result.errors.items()}
         updated = self.scheduler.update_from_output(plan, result)
         for seq_id, message in self.scheduler.pop_request_errors().items():
@@ -264,18 +243,16 @@ class LLMEngine(LoRAEngineMixin):
     def add_death_listener(self, listener) -> None:
         """``listener(error)`` runs once (on another thread) if a tensor-parallel worker process dies: the engine
         can then make no progress. Never called with a single rank."""
-        if self.runner.workers is not None:
-            self.runner.workers.add_death_listener(listener)
+        self.executor.add_death_listener(listener)
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel worker processes, if any (idempotent; the engine cannot step afterwards)."""
-        if self.runner.workers is not None:
-            self.runner.workers.shutdown()
+        self.executor.shutdown()
 
     def get_stats(self) -> EngineStats:
         kv = self.scheduler.kv
         return EngineStats(
-            num_running=self.scheduler.num_running,
+            num_running=len(self.scheduler.running),
             num_waiting=self.scheduler.num_waiting,
             kv_cache_usage=kv.usage,
             prefix_cache_queries=kv.prefix_cache_queries,
@@ -352,20 +329,3 @@ def _token_ids(prompt: object) -> list[int]:
     if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         raise ValueError("a prompt must be a string or a list of integer token ids")
     return list(prompt)
-
-
-def _resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device 'cuda' was requested but no CUDA device is available")
-    return torch.device(device)
-
-
-def _resolve_max_model_len(requested: Optional[int], config: ModelConfig) -> int:
-    limit = config.max_position_embeddings
-    if requested is None:
-        return limit
-    if requested > limit:
-        raise ValueError(f"max_model_len={requested} is larger than the model's max_position_embeddings={limit}")
-    return requested

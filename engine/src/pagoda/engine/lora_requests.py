@@ -1,4 +1,4 @@
-"""The engine's LoRA side: serving adapters by name, and the per-step work the adapters need."""
+"""The engine's LoRA side: serving adapters by name, and handing each step the adapters its slots lack."""
 
 from __future__ import annotations
 
@@ -7,14 +7,16 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Optional
 
 from pagoda.core.scheduler_output import SchedulerOutput
-from pagoda.lora.manager import LoRAManager, LoRARecord
+from pagoda.lora.adapter import LoRAAdapter
+from pagoda.lora.registry import LoRARecord, LoRARegistry
 from pagoda.lora.sources import LoRAModule
 from pagoda.outputs import RequestOutput
 from pagoda.request import Request
 
 if TYPE_CHECKING:
     from pagoda.core.scheduler import Scheduler
-    from pagoda.worker.model_runner import ModelRunner
+    from pagoda.engine.engine_config import EngineConfig
+    from pagoda.executor import Executor
 
 logger = logging.getLogger(__name__)
 
@@ -28,27 +30,43 @@ class UnknownLoRAError(ValueError):
 
 
 class LoRAEngineMixin:
-    """Adapter methods of :class:`~pagoda.engine.llm_engine.LLMEngine` (which owns ``runner`` and ``scheduler``)."""
+    """Adapter methods of :class:`~pagoda.engine.llm_engine.LLMEngine` (which owns ``executor``, ``scheduler`` and
+    ``lora_registry``)."""
 
-    runner: ModelRunner
+    executor: Executor
     scheduler: Scheduler
+    lora_registry: Optional[LoRARegistry]
     fail_request: Callable[[str, str], Optional[RequestOutput]]
 
+    def _lora_registry(self, config: EngineConfig) -> Optional[LoRARegistry]:
+        """The registry of an engine with LoRA slots (None without ``enable_lora``): it checks every adapter
+        against the layers the executor's model has slots in."""
+        args = config.args
+        if args.lora_slots == 0:
+            return None
+        return LoRARegistry(
+            self.executor.lora_targets(),
+            args.max_lora_rank,
+            args.max_cpu_loras or args.lora_slots,
+            config.dtype,
+            args.download_dir,
+        )
+
     @property
-    def lora(self) -> Optional[LoRAManager]:
+    def lora(self) -> Optional[LoRARegistry]:
         """The adapters this engine serves; None without ``enable_lora``."""
-        return self.runner.lora
+        return self.lora_registry
 
     def add_lora(self, module: LoRAModule, replace: bool = False) -> LoRARecord:
         """Load an adapter and serve it under ``module.name`` (any thread; seconds for a download). ValueError
         when it cannot be served. ``replace``: an adapter of that name is swapped out once the new one is read
         (its running requests finish on the old weights)."""
-        return self._lora_manager().load(module, replace=replace)
+        return self._registry().load(module, replace=replace)
 
     def remove_lora(self, name: str) -> LoRARecord:
         """Stop serving adapter ``name`` (UnknownLoRAError if it is not loaded); running requests finish on it."""
         try:
-            return self._lora_manager().unload(name)
+            return self._registry().unload(name)
         except KeyError:
             raise UnknownLoRAError(name) from None
 
@@ -56,38 +74,50 @@ class LoRAEngineMixin:
         """The id a request for adapter ``name`` runs with (None for the base model)."""
         if name is None:
             return None
-        record = self._lora_manager().lookup(name)
+        record = self._registry().lookup(name)
         if record is None:
             raise UnknownLoRAError(name)
         return record.lora_id
 
     def lora_id_or_none(self, name: str) -> Optional[int]:
-        record = self._lora_manager().lookup(name)
+        record = self._registry().lookup(name)
         return None if record is None else record.lora_id
 
-    def _lora_manager(self) -> LoRAManager:
-        if self.runner.lora is None:
+    def _registry(self) -> LoRARegistry:
+        if self.lora_registry is None:
             raise ValueError("LoRA adapters are not enabled on this engine (enable_lora / --enable-lora)")
-        return self.runner.lora
+        return self.lora_registry
 
-    def _fetch_adapters(self, plan: SchedulerOutput) -> list[RequestOutput]:
-        """Have the step's adapters in host memory. The requests of an adapter that cannot be read again fail,
-        and leave the plan."""
-        failed = self.runner.lora.fetch({s.request.lora_id for s in plan.scheduled if s.request.lora_id is not None})
-        if not failed:
-            return []
+    def _release_unused_adapters(self) -> None:
+        """Unloaded adapters' weights (host and device) go once no request uses them."""
+        registry = self.lora_registry
+        if registry is not None and registry.has_unloaded_in_use:
+            gone = registry.release_unused({r.lora_id for r in self.scheduler.requests.values()} - {None})
+            if gone:
+                self.executor.remove_loras(gone)
+
+    def _fetch_adapters(self, plan: SchedulerOutput) -> tuple[dict[int, LoRAAdapter], list[RequestOutput]]:
+        """The weights of the step's adapters that no device slot holds, from host memory (or read again from
+        disk). The requests of an adapter that cannot be read fail, and leave the plan."""
+        if self.lora_registry is None:
+            return {}, []
+        step_ids = {s.request.lora_id for s in plan.scheduled if s.request.lora_id is not None}
+        if not step_ids:
+            return {}, []
+        found = self.lora_registry.fetch(step_ids - self.executor.resident_loras(), step_ids)
         outputs = []
-        for lora_id, message in failed.items():
+        for lora_id, message in found.failed.items():
             for request in [r for r in self.scheduler.requests.values() if r.lora_id == lora_id]:
                 logger.warning("request_id=%s failed: %s", request.external_id, message)
                 output = self.fail_request(request.external_id, message)
                 if output is not None:
                     outputs.append(output)
-        plan.scheduled = [s for s in plan.scheduled if s.request.lora_id not in failed]
-        return outputs
+        if found.failed:
+            plan.scheduled = [s for s in plan.scheduled if s.request.lora_id not in found.failed]
+        return found.adapters, outputs
 
     def _adapter_names(self, requests: Iterable[Request]) -> tuple[str, ...]:
-        if self.runner.lora is None:
+        if self.lora_registry is None:
             return ()
         ids = {r.lora_id for r in requests if r.lora_id is not None}
-        return tuple(sorted(self.runner.lora.name_of(i) for i in ids))
+        return tuple(sorted(self.lora_registry.name_of(i) for i in ids))

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagoda.cpu import use_fused_ops
-from pagoda.worker.attention_triton import load_kernel
+from pagoda.kernel_loading import load_kernel
 
 # The fused CPU op saves per-op overhead at decode. In bf16 it is vectorised (AVX512-BF16) and also beats
 # PyTorch's silu + mul on prefill (1.8 vs 3.4 ms at 2048 x 3072); the fp16 path has a scalar exp, which

@@ -9,7 +9,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from pagoda.worker.attention import AttentionBackend, AttentionLayerSpec, AttentionMetadata
+from pagoda.attention.protocol import AttentionBackend, AttentionLayerSpec, AttentionMetadata
 
 
 class Attention(nn.Module):
@@ -53,13 +53,10 @@ class Attention(nn.Module):
         self.spec = dataclasses.replace(self.spec, k_scale=k_scale, v_scale=v_scale)
 
     def forward(
-        self,
-        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-        v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """:meth:`AttentionBackend.forward <pagoda.attention.protocol.AttentionBackend.forward>` with this layer's
+        spec (the shapes are documented there)."""
         return self.backend.forward(q, k, v, kv_cache, meta, self.spec)
 
     def extra_repr(self) -> str:

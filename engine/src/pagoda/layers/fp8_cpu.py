@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from pagoda.layers.linear_kernels import TwoOutputKernel, gated_tile_order, gated_tiles_fit, untile_gated
+from pagoda.layers.cpu_linear import TwoOutputKernel, gated_tile_order, gated_tiles_fit, untile_gated
 from pagoda.quantization.weights import Fp8Weight
 
 # One k pair of a 64-row tile is 128 bytes: two halves of 32 rows x 2 values. Within a half the kernel's byte
@@ -57,7 +57,7 @@ class Fp8CpuLinear(TwoOutputKernel):
 
     ``native``: the weight is in the native kernel's packed layout, which serves bf16 activations; other dtypes
     unpack and dequantize it per call. A gated [gate | up] layer (native only) stores rows, scales and bias in
-    :func:`~pagoda.layers.linear_kernels.gated_tile_order` and :meth:`silu_and_mul` runs ``silu(gate) * up`` in the
+    :func:`~pagoda.layers.cpu_linear.gated_tile_order` and :meth:`silu_and_mul` runs ``silu(gate) * up`` in the
     kernel's epilogue.
     """
 

@@ -8,7 +8,7 @@
   bf16's weight bytes in one sequential stream; prefill runs at the bf16 kernel's speed (both are bound by the same
   bf16 dot products). 8-bit weights use the same layout with a high and a low nibble per input.
 - ``int4-native-gated``: the same for a fused [gate | up] projection, rows in
-  :func:`~pagoda.layers.linear_kernels.gated_tile_order`; :meth:`Int4CpuLinear.silu_and_mul` writes
+  :func:`~pagoda.layers.cpu_linear.gated_tile_order`; :meth:`Int4CpuLinear.silu_and_mul` writes
   ``silu(gate) * up`` from the GEMM's epilogue.
 - ``int4-torch``: any other dtype or machine: the weight is dequantized in the activation dtype on every call
   (no dense copy is kept) and multiplied with ``F.linear``.
@@ -24,7 +24,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from pagoda.layers.linear_kernels import TwoOutputKernel, gated_tile_order, gated_tiles_fit, untile_gated
+from pagoda.layers.cpu_linear import TwoOutputKernel, gated_tile_order, gated_tiles_fit, untile_gated
 from pagoda.quantization.weights import IntWeight
 
 _TILE = 64  # output rows per tile of the native kernel

@@ -1,4 +1,4 @@
-"""Timing the candidate linear kernels on this machine, and applying :mod:`pagoda.layers.kernel_selection`'s choice
+"""Timing the candidate linear kernels on this machine, and applying :mod:`pagoda.cpu.kernel_selection`'s choice
 to a model's layers (called by :func:`pagoda.layers.linear_kernels.prepare_linear_layers`)."""
 
 from __future__ import annotations
@@ -13,10 +13,22 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
+from pagoda.cpu import kernel_selection as ks
 from pagoda.cpu.cpu_features import amx_available
-from pagoda.layers import kernel_selection as ks
 from pagoda.layers.activation import SiluAndMul
-from pagoda.layers.linear_kernels import KernelBuilder, PackedLinear, RowDispatchLinear
+from pagoda.layers.cpu_linear import (
+    NATIVE_BF16,
+    NATIVE_INT8,
+    KernelBuilder,
+    NativeBf16Linear,
+    NativeGatedBf16Linear,
+    PackedLinear,
+    RowDispatchLinear,
+    gated_tiles_fit,
+    native_linear_support,
+    onednn_packing_available,
+)
+from pagoda.layers.int8_cpu import Int8OnednnLinear, Int8WeightOnlyLinear
 
 if TYPE_CHECKING:
     from pagoda.layers.linear import Linear, LinearKernel
@@ -40,6 +52,25 @@ def last_level_cache_bytes() -> int:
         scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
         return int(text.rstrip("KMG")) * scale
     return 32 << 20
+
+
+def candidate_kernels(out_features: int, gated: bool, quantization: Optional[str]) -> dict[str, KernelBuilder]:
+    """The kernels that can serve a bf16 CPU layer of ``out_features`` rows, by selection name, preferred first."""
+    pack = onednn_packing_available(torch.bfloat16)
+    native_bf16 = native_linear_support(NATIVE_BF16)
+    candidates: dict[str, KernelBuilder] = {}
+    if quantization == "int8":
+        candidates["native"] = lambda w, b: Int8WeightOnlyLinear.from_weight(w, b, gated)
+        if pack and native_linear_support(NATIVE_INT8):  # without the native kernel int8 stays as it was
+            candidates["onednn"] = Int8OnednnLinear.from_weight
+        return candidates
+    if native_bf16 and gated and gated_tiles_fit(out_features):
+        candidates["native"] = NativeGatedBf16Linear.from_weight
+    elif native_bf16:
+        candidates["native"] = NativeBf16Linear.from_weight
+    if pack:
+        candidates["onednn"] = PackedLinear.from_weight
+    return candidates
 
 
 class KernelTimer:
@@ -157,7 +188,7 @@ class ModelKernelSelector:
 
 
 class _LazyTimer:
-    """Builds the :class:`~pagoda.layers.kernel_selection.KernelTimer` (and its weight copies) on the first call
+    """Builds the :class:`KernelTimer` (and its weight copies) on the first call
     only: a cached, forced or untimed selection never pays for them."""
 
     def __init__(self, key: object, candidates: dict[str, KernelBuilder], role: str) -> None:
@@ -216,8 +247,6 @@ def select_for_shapes(
 ) -> list[tuple[ks.ShapeKey, ks.Selection]]:
     """What the engine picks for bf16 layers of these (in_features, out_features, role) shapes on this machine
     (measured, or from the same cache the engine uses): for benchmarks and reports."""
-    from pagoda.layers.linear_kernels import candidate_kernels
-
     selector = ModelKernelSelector(torch.bfloat16, quantization)
     result = []
     for in_features, out_features, role in shapes:

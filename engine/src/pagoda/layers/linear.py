@@ -5,11 +5,14 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections.abc import Iterator, Sequence
-from typing import Any, Optional, Protocol
+from typing import TYPE_CHECKING, Any, Optional, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+if TYPE_CHECKING:
+    from pagoda.quantization.loading import QuantizedSource
 
 
 class LinearKernel(Protocol):
@@ -77,8 +80,18 @@ class Linear(nn.Module):
             nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
         )
         self.kernel: Optional[LinearKernel] = None
+        # A quantized checkpoint's tensors for this layer until its kernel is built (see hold_quantized_source).
+        self.quant_source: Optional[QuantizedSource] = None
         # The adapters' slots when LoRA is on (a pagoda.lora.layers.LinearLoRA): their delta is added to the output.
         self.lora: Optional[Any] = None
+
+    def hold_quantized_source(self, source: QuantizedSource) -> None:
+        """Take the layer's weight from a quantized checkpoint: the dense ``weight`` parameter goes (None: the loader
+        must not expect one) and ``source`` collects the checkpoint's tensors until
+        :func:`~pagoda.layers.linear_kernels.prepare_linear_layers` builds the kernel from them."""
+        self.quant_source = source
+        del self.weight
+        self.register_parameter("weight", None)
 
     def set_kernel(self, kernel: LinearKernel) -> None:
         """Multiply with ``kernel`` from now on and drop this layer's reference to the plain weight
@@ -153,7 +166,7 @@ class MergedLinear(Linear):
 
     def forward_silu_and_mul(self, x: torch.Tensor) -> Optional[torch.Tensor]:
         """``silu(gate) * up`` in one pass when the kernel has that epilogue for ``x`` (see
-        :class:`~pagoda.layers.linear_kernels.NativeGatedBf16Linear`); None otherwise."""
+        :class:`~pagoda.layers.cpu_linear.NativeGatedBf16Linear`); None otherwise."""
         if self.lora is not None and self.lora.active(x.shape[0]):
             return None  # the adapters' delta goes in before the activation
         fused = getattr(self.kernel, "silu_and_mul", None) if self.gated else None

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from pagoda.cpu import use_fused_ops
-from pagoda.worker.attention_triton import load_kernel
+from pagoda.kernel_loading import load_kernel
 
 
 class RMSNorm(nn.Module):

@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from pagoda.cpu import use_fused_ops
+from pagoda.kernel_loading import load_kernel
 from pagoda.model_config import RopeScaling
-from pagoda.worker.attention_triton import load_kernel
 
 
 def compute_inv_freq(head_dim: int, theta: float, scaling: Optional[RopeScaling]) -> torch.Tensor:

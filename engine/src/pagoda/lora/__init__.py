@@ -1,7 +1,7 @@
 """LoRA adapters: PEFT checkpoints read onto the model's layers, batched per step over fixed slots.
 
-See :mod:`pagoda.lora.manager` for the tiers (registered, host memory, device slots) and
-:mod:`pagoda.lora.layers` for the batched forward.
+The engine keeps names, ids and host-memory weights (:mod:`pagoda.lora.registry`); the model runner keeps the
+device slots and each step's segments (:mod:`pagoda.lora.slots`); :mod:`pagoda.lora.layers` is the batched forward.
 """
 
 from __future__ import annotations

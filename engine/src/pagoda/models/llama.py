@@ -13,6 +13,7 @@ from typing import Any, NamedTuple, Optional
 import torch
 from torch import nn
 
+from pagoda.attention.protocol import AttentionBackend, AttentionMetadata
 from pagoda.distributed.parallel import SINGLE, TensorParallel
 from pagoda.distributed.sharding import ShardLayout
 from pagoda.layers import (
@@ -27,7 +28,6 @@ from pagoda.layers import (
 )
 from pagoda.model_config import ModelConfig
 from pagoda.models.weights import load_named_weights
-from pagoda.worker.attention import AttentionBackend, AttentionMetadata
 
 
 class KVCacheSpec(NamedTuple):
@@ -44,6 +44,9 @@ class LlamaAttention(nn.Module):
     Under tensor parallelism a rank holds ``shard.num_heads`` query heads and their KV heads (q/k/v column-parallel)
     and the matching columns of ``o_proj`` (row-parallel): its output is a partial sum, completed by one all-reduce.
     """
+
+    # Qwen3 normalises each head of q and k (RMSNorm over head_dim, weights shared across heads) before RoPE.
+    qk_norm: bool = False
 
     def __init__(
         self,
@@ -66,10 +69,15 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(
             self.num_heads, self.num_kv_heads, self.head_dim, backend, config.layer_sliding_windows[layer_idx]
         )
+        if self.qk_norm:
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype)
 
     def normalize_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Hook for per-head q/k norms (Qwen3); Llama has none."""
-        return q, k
+        """The per-head q/k norms where the family has them (q: [num_tokens, num_heads, head_dim], k likewise)."""
+        if not self.qk_norm:
+            return q, k
+        return self.q_norm(q), self.k_norm(k)
 
     def forward(
         self,
@@ -198,7 +206,7 @@ class LlamaForCausalLM(nn.Module):
 
     @property
     def kv_cache_spec(self) -> KVCacheSpec:
-        """Shape of this rank's per-layer KV cache (see :mod:`pagoda.worker.attention` for the layout)."""
+        """Shape of this rank's per-layer KV cache (see :mod:`pagoda.attention.protocol` for the layout)."""
         return KVCacheSpec(self.config.num_hidden_layers, self.shard.num_kv_heads, self.config.head_dim)
 
     @torch.inference_mode()

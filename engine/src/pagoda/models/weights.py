@@ -10,13 +10,14 @@ from torch import nn
 
 from pagoda.layers import MergedLinear
 
-# (fused module, HF module, part index): HF stores these projections separately.
-_FUSED_PARTS: tuple[tuple[str, str, int], ...] = (
-    (".qkv_proj.", ".q_proj.", 0),
-    (".qkv_proj.", ".k_proj.", 1),
-    (".qkv_proj.", ".v_proj.", 2),
-    (".gate_up_proj.", ".gate_proj.", 0),
-    (".gate_up_proj.", ".up_proj.", 1),
+# Pagoda's fused projections and the checkpoint modules they are made of, in order (HF stores them separately).
+FUSED_MODULES: dict[str, tuple[str, ...]] = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+}
+# (fused module, HF module, part index), as they appear inside a parameter name
+_FUSED_PARTS: tuple[tuple[str, str, int], ...] = tuple(
+    (f".{fused}.", f".{part}.", index) for fused, parts in FUSED_MODULES.items() for index, part in enumerate(parts)
 )
 # Buffers some older checkpoints saved; they are recomputed, never loaded.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)

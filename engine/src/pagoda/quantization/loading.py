@@ -1,11 +1,11 @@
-"""Loading a quantized checkpoint into the model: which layers hold quantized tensors, and routing those tensors.
+"""Reading a quantized checkpoint: which quantization it has, and collecting each quantized layer's tensors.
 
 A layer the checkpoint quantizes (AWQ/GPTQ ``qweight``..., FP8 ``weight`` + ``weight_scale``) never gets a dense
-weight: :func:`attach_quantized_sources` removes its ``weight`` parameter and gives it a :class:`QuantizedSource`,
-which collects the layer's checkpoint tensors (for a fused [q | k | v] or [gate | up] projection, each part's) as
-they stream past, uncast. :func:`pagoda.layers.linear_kernels.prepare_linear_layers` later turns each source into
-the canonical weight (:mod:`pagoda.quantization.weights`) and that into the device's kernel, one layer at a time, so
-the packed checkpoint tensors are the only full copy of the weights ever held.
+weight: the loader (:func:`pagoda.loader.attach_quantized_sources`) gives it a :class:`QuantizedSource`, which
+collects the layer's checkpoint tensors (for a fused [q | k | v] or [gate | up] projection, each part's) as
+:class:`QuantizedLoad` routes them past, uncast. :func:`pagoda.layers.linear_kernels.prepare_linear_layers` later
+turns each source into the canonical weight (:mod:`pagoda.quantization.weights`) and that into the device's kernel,
+one layer at a time, so the packed checkpoint tensors are the only full copy of the weights ever held.
 """
 
 from __future__ import annotations
@@ -19,21 +19,13 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from pagoda.layers.linear import Linear, MergedLinear
 from pagoda.quantization.config import QuantConfig, resolve_quant_config
 from pagoda.quantization.formats import (
     OPTIONAL_SUFFIXES,
     QUANT_TENSOR_SUFFIXES,
     build_quantized_weight,
-    is_quantized_module,
 )
 from pagoda.quantization.weights import Fp8Weight, IntWeight
-
-# Pagoda fuses these checkpoint projections (see pagoda.models.weights): fused module -> its parts, in order.
-_FUSED_MODULES: dict[str, tuple[str, ...]] = {
-    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
-    "gate_up_proj": ("gate_proj", "up_proj"),
-}
 
 
 def read_hf_config(model_dir: Union[str, Path]) -> dict:
@@ -97,14 +89,6 @@ def _required_suffixes(config: QuantConfig) -> tuple[str, ...]:
     return tuple(s for s in QUANT_TENSOR_SUFFIXES[config.method] if s not in optional)
 
 
-def _hf_modules(module_name: str, layer: Linear) -> tuple[str, ...]:
-    """The checkpoint module(s) that fill ``module_name``: one per part of a fused projection."""
-    prefix, _, leaf = module_name.rpartition(".")
-    if isinstance(layer, MergedLinear) and leaf in _FUSED_MODULES:
-        return tuple(f"{prefix}.{part}" if prefix else part for part in _FUSED_MODULES[leaf])
-    return (module_name,)
-
-
 def checkpoint_tensor_names(files: list[Path]) -> set[str]:
     """Every tensor name of the checkpoint (read from the safetensors headers only)."""
     names: set[str] = set()
@@ -117,10 +101,10 @@ def checkpoint_tensor_names(files: list[Path]) -> set[str]:
 class QuantizedLoad:
     """Routes a quantized checkpoint's tensors: those of quantized layers to their :class:`QuantizedSource`."""
 
-    def __init__(self, config: QuantConfig, sources: dict[str, tuple[QuantizedSource, dict[str, int]]]) -> None:
+    def __init__(self, config: QuantConfig, sources: list[QuantizedSource]) -> None:
         self.config = config
-        # checkpoint module name -> (the layer's source, part index by checkpoint module)
-        self._by_hf_module = {hf: (source, parts) for source, parts in sources.values() for hf in parts}
+        # checkpoint module name -> (the layer's source, the part it fills)
+        self._by_hf_module = {hf: (source, i) for source in sources for i, hf in enumerate(source.hf_modules)}
         self._suffixes = set(QUANT_TENSOR_SUFFIXES[config.method])
 
     def take(self, name: str, tensor: torch.Tensor) -> bool:
@@ -129,41 +113,9 @@ class QuantizedLoad:
         entry = self._by_hf_module.get(module)
         if entry is None or suffix not in self._suffixes:
             return False
-        source, parts = entry
-        source.parts[parts[module]][suffix] = tensor
+        source, part = entry
+        source.parts[part][suffix] = tensor
         return True
-
-
-def attach_quantized_sources(model: nn.Module, config: QuantConfig, names: set[str]) -> QuantizedLoad:
-    """Give every layer the checkpoint quantizes a :class:`QuantizedSource` (``layer.quant_source``) in place of
-    its dense weight; return the router for the checkpoint's tensors."""
-    assert config.serialized, config
-    sources: dict[str, tuple[QuantizedSource, dict[str, int]]] = {}
-    for module_name, layer in model.named_modules():
-        if not isinstance(layer, Linear) or layer.weight is None:
-            continue
-        hf_modules = _hf_modules(module_name, layer)
-        quantized = [is_quantized_module(config.method, names, hf) for hf in hf_modules]
-        if not any(quantized):
-            continue
-        if not all(quantized):
-            raise ValueError(
-                f"checkpoint quantizes only some of {', '.join(hf_modules)}, which Pagoda runs as one fused "
-                "projection; quantize all of them or none"
-            )
-        if _is_tied(model, layer):
-            raise ValueError(f"{module_name} shares the embedding's weight and cannot be quantized separately")
-        source = QuantizedSource(config, hf_modules)
-        layer.quant_source = source
-        del layer.weight
-        layer.register_parameter("weight", None)  # no dense copy: the loader must not expect one
-        sources[module_name] = (source, {hf: i for i, hf in enumerate(hf_modules)})
-    if not sources:
-        raise ValueError(
-            f"config.json says the checkpoint is {config.method}-quantized, but no layer has quantized tensors "
-            f"({', '.join(QUANT_TENSOR_SUFFIXES[config.method])})"
-        )
-    return QuantizedLoad(config, sources)
 
 
 def apply_kv_scales(model: nn.Module, scales: dict[str, torch.Tensor]) -> None:
@@ -182,8 +134,3 @@ def apply_kv_scales(model: nn.Module, scales: dict[str, torch.Tensor]) -> None:
 
 
 KV_SCALE_SUFFIXES = (".self_attn.k_scale", ".self_attn.v_scale", ".self_attn.kv_scale")
-
-
-def _is_tied(model: nn.Module, layer: Linear) -> bool:
-    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
-    return embed is not None and layer.weight is embed.weight

@@ -18,8 +18,31 @@ from typing import Optional
 import torch
 
 
+class _RowMajorWeight:
+    """What both canonical forms share: ``qweight`` is [out, in], one row per output feature."""
+
+    qweight: torch.Tensor
+
+    @property
+    def out_features(self) -> int:
+        return self.qweight.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return self.qweight.shape[1]
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight [out, in] in float32, in the kernel's input order."""
+        raise NotImplementedError
+
+    def dequantize_checkpoint_order(self) -> torch.Tensor:
+        """The weight [out, in] in float32 in the checkpoint's input order: what ``x @ w.T`` uses (the kernel's
+        order too, unless the form permutes the inputs)."""
+        return self.dequantize()
+
+
 @dataclass(frozen=True, eq=False)
-class IntWeight:
+class IntWeight(_RowMajorWeight):
     """Group-wise integer weight, unpacked (one value per byte), in the kernel's input order."""
 
     qweight: torch.Tensor  # [out, in] uint8, values in [0, 2**bits)
@@ -39,14 +62,6 @@ class IntWeight:
         assert self.zeros.shape == (groups, out) and self.zeros.dtype == torch.uint8, self.zeros.shape
         assert self.perm is None or self.perm.shape == (inp,), self.perm
 
-    @property
-    def out_features(self) -> int:
-        return self.qweight.shape[0]
-
-    @property
-    def in_features(self) -> int:
-        return self.qweight.shape[1]
-
     def dequantize(self) -> torch.Tensor:
         """The weight [out, in] in float32, in the kernel's input order (exact: small integers times the scales)."""
         groups = torch.arange(self.in_features, device=self.qweight.device) // self.group_size  # [in]
@@ -56,7 +71,7 @@ class IntWeight:
         return (q - z) * s
 
     def dequantize_checkpoint_order(self) -> torch.Tensor:
-        """The weight [out, in] in float32 in the checkpoint's input order: what ``x @ w.T`` uses."""
+        """The weight [out, in] in float32 in the checkpoint's input order: the act-order permutation undone."""
         w = self.dequantize()
         if self.perm is None:
             return w
@@ -101,7 +116,7 @@ class IntWeight:
 
 
 @dataclass(frozen=True, eq=False)
-class Fp8Weight:
+class Fp8Weight(_RowMajorWeight):
     """float8 e4m3 weight with one float32 scale per output row."""
 
     qweight: torch.Tensor  # [out, in] torch.float8_e4m3fn
@@ -115,21 +130,9 @@ class Fp8Weight:
         assert self.scales.shape == (self.qweight.shape[0],) and self.scales.dtype == torch.float32, self.scales
         assert self.input_scale is None or self.input_scale.numel() == 1, self.input_scale
 
-    @property
-    def out_features(self) -> int:
-        return self.qweight.shape[0]
-
-    @property
-    def in_features(self) -> int:
-        return self.qweight.shape[1]
-
     def dequantize(self) -> torch.Tensor:
         """The weight [out, in] in float32 (exact: every e4m3 value times a float32 scale)."""
         return self.qweight.float() * self.scales.unsqueeze(1)
-
-    def dequantize_checkpoint_order(self) -> torch.Tensor:
-        """:meth:`dequantize` (FP8 weights keep the checkpoint's input order)."""
-        return self.dequantize()
 
     def select_rows(self, order: torch.Tensor) -> Fp8Weight:
         return Fp8Weight(self.qweight[order].contiguous(), self.scales[order].contiguous(), self.input_scale)

@@ -25,8 +25,8 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from pagoda.worker.attention import AttentionMetadata
-from pagoda.worker.attention_triton import TritonAttentionBackend
+from pagoda.attention.protocol import AttentionMetadata
+from pagoda.attention.triton_backend import TritonAttentionBackend
 
 logger = logging.getLogger(__name__)
 

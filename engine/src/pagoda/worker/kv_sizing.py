@@ -9,9 +9,9 @@ from typing import Optional
 
 import torch
 
+from pagoda.attention.protocol import FP8_KV_DTYPES
 from pagoda.config import DEFAULT_CPU_KV_CACHE_MEMORY
 from pagoda.startup_failure import InsufficientMemoryError
-from pagoda.worker.attention import FP8_KV_DTYPES
 
 logger = logging.getLogger(__name__)
 

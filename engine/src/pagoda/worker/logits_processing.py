@@ -1,4 +1,5 @@
-"""Per-row logit adjustments applied before a token is chosen, vectorised over the batch.
+"""Per-row logit adjustments applied before a token is chosen, vectorised over the batch, and
+:class:`SamplingRow`, what the sampler knows of each row.
 
 Every function takes the logits of the whole batch (``[num_rows, vocab]``), works only on the
 rows that need it and returns a tensor that may be the input itself: callers must pass a
@@ -10,12 +11,13 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
-if TYPE_CHECKING:
-    from pagoda.worker.sampler import SamplingRow
+from pagoda.sampling_params import SamplingParams
+from pagoda.structured_output.grammar import RequestGrammar
 
 
 def apply_logit_bias(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
@@ -75,6 +77,25 @@ class PenaltyCounts:
         new = _long(list(output_token_ids[self.num_counted :]), self.output_counts.device)
         self.output_counts.index_add_(0, new, torch.ones_like(new, dtype=torch.int32))
         self.num_counted = len(output_token_ids)
+
+
+@dataclass(slots=True)
+class SamplingRow:
+    """What the sampler needs to know about one sequence of the batch."""
+
+    params: SamplingParams
+    # Per request (or per child of an n > 1 request); any device, CPU is cheapest since only
+    # one number per step is drawn from it. None falls back to torch's global generator, which
+    # is only right for greedy rows (it loses reproducibility and batch independence).
+    generator: Optional[torch.Generator]
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]  # tokens generated so far by this sequence
+    # EOS ids + stop_token_ids: forbidden while len(output_token_ids) < params.min_tokens.
+    min_tokens_stop_ids: frozenset[int]
+    # The sequence's incrementally kept token counts for penalties; None: counted afresh for this call.
+    penalty_counts: Optional[PenaltyCounts] = None
+    # The structured-output grammar at this sequence's position; None: unconstrained.
+    grammar: Optional[RequestGrammar] = None
 
 
 def penalty_counts(row: SamplingRow, vocab: int, device: torch.device) -> PenaltyCounts:

@@ -3,105 +3,59 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from collections.abc import Mapping
+from typing import Optional
 
 import torch
 
-from pagoda.core.scheduler_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
-from pagoda.distributed.errors import WorkerDiedError
-from pagoda.distributed.parallel import SINGLE, TensorParallel
+from pagoda.attention.choice import choose_prefill_attention
+from pagoda.attention.protocol import AttentionBackend, AttentionMetadata, build_metadata, is_fp8, token_positions
+from pagoda.attention.torch_backend import TorchAttentionBackend
+from pagoda.attention.triton_backend import TritonAttentionBackend
+from pagoda.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from pagoda.distributed.parallel import TensorParallel
 from pagoda.layers.linear_kernels import prepare_linear_layers
 from pagoda.loader import load_model
-from pagoda.lora.manager import LoRAManager, LoRASettings
-from pagoda.model_config import ModelConfig
+from pagoda.lora.adapter import LoRAAdapter
+from pagoda.lora.slots import LoRASlots
 from pagoda.request import Request
-from pagoda.worker.attention import (
-    AttentionBackend,
-    AttentionMetadata,
-    TorchAttentionBackend,
-    build_metadata,
-    is_fp8,
-    token_positions,
-)
-from pagoda.worker.attention_choice import choose_prefill_attention
-from pagoda.worker.attention_triton import TritonAttentionBackend
 from pagoda.worker.cuda_graphs import DecodeCudaGraphs
-from pagoda.worker.kv_sizing import KVCacheShape, gpu_num_blocks, kv_cache_torch_dtype
-from pagoda.worker.logits_processing import PenaltyCounts
-from pagoda.worker.sampler import Sampler, SamplingRow, compute_prompt_logprobs
-
-if TYPE_CHECKING:
-    from pagoda.distributed.executor import WorkerGroup
+from pagoda.worker.kv_sizing import KVCacheShape, kv_cache_torch_dtype
+from pagoda.worker.logits_processing import PenaltyCounts, SamplingRow
+from pagoda.worker.sampler import Sampler, compute_prompt_logprobs
+from pagoda.worker.step import ForwardStep, PreparedStep, StepLogits, lora_runs, plan_forward
+from pagoda.worker.worker_config import WorkerConfig
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass(slots=True)
-class ForwardStep:
-    """What every tensor-parallel rank needs to run one step (plain lists: rank 0 broadcasts it pickled)."""
-
-    block_copies: list[tuple[int, int]]  # (src, dst) blocks to copy before the forward (copy-on-write)
-    token_ids: list[int]  # [num_tokens] the flat batch
-    query_lens: list[int]  # per scheduled request
-    seq_lens: list[int]
-    block_tables: list[list[int]]
-    # The rows the forward returns when it need not return all (the sampled ones, no prompt logprobs): the last
-    # layer then skips the rest. None: every token's row.
-    output_rows: Optional[list[int]]
-    prompt_logprob_spans: list[tuple[int, int]]  # (first flat index, count) whose logits score the prompt
-    sample_rows: list[int]  # rows of the forward's output whose logits are sampled
-
-
-@dataclass(slots=True)
-class StepLogits:
-    """Rank 0's logits of one step (float32): one tensor per prompt-logprob span, and the sampled rows'."""
-
-    prompt: list[torch.Tensor]
-    sample: Optional[torch.Tensor]  # [num_sampling_reqs, vocab]; None when nothing samples
-
-
 class ModelRunner:
-    """Owns the model, the KV cache tensors, the attention backend and the sampler.
+    """Owns one rank's model, its KV cache tensors, the attention backend, the sampler and the LoRA device slots.
 
-    Under tensor parallelism every rank has one, over its shard of the model; rank 0's also plans each step from
-    the scheduler's output and samples, and hands the plan to the other ranks through ``workers`` (one broadcast)
-    before running its own part: see :meth:`on_all_ranks`.
+    Every rank has one, over its shard of the model. The rank-0 runner also turns the scheduler's output into the
+    step every rank runs (:meth:`prepare_step`) and samples from the logits (:meth:`sample`); :meth:`run_forward`
+    is what every rank runs. Who sends the step to the other ranks is the executor's business, not the runner's.
     """
 
-    def __init__(
-        self,
-        model_config: ModelConfig,
-        model_path: Path,
-        dtype: torch.dtype,
-        device: torch.device,
-        attention_backend: str = "torch",
-        quantization: Optional[str] = None,
-        lora: Optional[LoRASettings] = None,
-        tp: TensorParallel = SINGLE,
-        kv_cache_dtype: str = "auto",
-    ) -> None:
-        """``attention_backend`` is a resolved name, 'torch' or 'triton' (see ``resolve_attention_backend``)."""
-        assert lora is None or tp.world_size == 1, "adapters are not sharded across ranks"
-        self.model_config = model_config
+    def __init__(self, config: WorkerConfig, device: torch.device, tp: TensorParallel) -> None:
+        assert config.lora is None or tp.world_size == 1, "adapters are not sharded across ranks"
+        self.model_config = config.model_config
         self.tp = tp
-        self.workers: Optional[WorkerGroup] = None  # rank 0 under tensor parallelism: ranks 1..N-1
-        self.dtype = dtype
+        self.dtype = config.dtype
         self.device = device
-        assert attention_backend in ("torch", "triton"), attention_backend
+        assert config.attention_backend in ("torch", "triton"), config.attention_backend
         self.attn_backend: AttentionBackend = (
-            TritonAttentionBackend() if attention_backend == "triton" else TorchAttentionBackend()
+            TritonAttentionBackend() if config.attention_backend == "triton" else TorchAttentionBackend()
         )
         self.cuda_graphs: Optional[DecodeCudaGraphs] = None
-        self.kv_cache_dtype = kv_cache_dtype  # auto | fp8_e4m3 | fp8_e5m2
-        self.model = load_model(model_path, self.attn_backend, dtype, device, model_config, tp, quantization)
-        self.linear_kernels = prepare_linear_layers(self.model, device, dtype, quantization)
-        self.lora: Optional[LoRAManager] = None
-        if lora is not None:
-            self.lora = LoRAManager(
-                self.model, lora.max_loras, lora.max_rank, lora.max_cpu_loras, dtype, device, lora.download_dir
-            )
+        self.kv_cache_dtype = config.kv_cache_dtype  # auto | fp8_e4m3 | fp8_e5m2
+        self.model = load_model(
+            config.model_path, self.attn_backend, self.dtype, device, self.model_config, tp, config.quantization
+        )
+        self.linear_kernels = prepare_linear_layers(self.model, device, self.dtype, config.quantization)
+        self.lora: Optional[LoRASlots] = None
+        if config.lora is not None:
+            self.lora = LoRASlots(self.model, config.lora.max_loras, config.lora.max_rank, self.dtype, device)
         self.sampler = Sampler()
         self.kv_caches: list[torch.Tensor] = []
         self.kv_shape: KVCacheShape | None = None
@@ -115,32 +69,9 @@ class ModelRunner:
             spec.num_layers, spec.num_kv_heads, spec.head_dim, block_size, cache_dtype, self.tp.world_size
         )
 
-    def on_all_ranks(self, method: str, *args: Any) -> Any:
-        """Run ``self.<method>(*args)`` on every rank (rank 0: the other ranks get it by one broadcast first) and
-        return rank 0's result. Every method that runs collectives (the forward, profiling) goes through here."""
-        if self.workers is None:
-            return getattr(self, method)(*args)
-        self.workers.broadcast(method, args)
-        try:
-            return getattr(self, method)(*args)
-        except BaseException as exc:  # a collective failed (a rank died or hung), or rank 0 itself (Ctrl-C, a bug)
-            # The workers may be a collective ahead now: nothing may run on these ranks again.
-            self.workers.poison(f"rank 0 failed during {method}: {exc!r}")
-            if isinstance(exc, RuntimeError) and not isinstance(exc, WorkerDiedError):
-                raise WorkerDiedError(f"tensor parallelism failed during {method}: {exc}") from exc
-            raise
-
-    def measure_kv_blocks(self, shape: KVCacheShape, gpu_memory_utilization: float, profile_tokens: int) -> int:
-        """GPU: the blocks this rank's device holds after the weights and a profiled forward; the smallest over the
-        ranks, so every rank allocates the same number."""
-        # NCCL allocates its buffers at the first collective: make that happen before memory is measured.
-        self.tp.all_reduce(torch.zeros(1, device=self.device))
-        blocks = gpu_num_blocks(shape, gpu_memory_utilization, self.device, lambda: self.profile_run(profile_tokens))
-        return self.tp.all_reduce_min(blocks)
-
     def allocate_kv_cache(self, shape: KVCacheShape, num_blocks: int) -> None:
         """Create every layer's cache once; zeroed so padded reads never see NaN garbage. On CPU, also time the two
-        prefill-attention kernels for this model's head layout (see :mod:`pagoda.worker.attention_choice`)."""
+        prefill-attention kernels for this model's head layout (see :mod:`pagoda.attention.choice`)."""
         if self.device.type == "cpu" and isinstance(self.attn_backend, TorchAttentionBackend):
             spec = self.model.model.layers[0].self_attn.attn.spec
             choose_prefill_attention(self.attn_backend, spec, self.dtype, cache_dtype=shape.dtype)
@@ -150,31 +81,30 @@ class ModelRunner:
             for _ in range(shape.num_layers)
         ]
 
+    def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
+        """Capture the decode forward for the batch sizes up to ``max_num_seqs`` (after the KV cache exists)."""
+        assert self.kv_caches, "allocate the KV cache before capturing"
+        assert self.device.type == "cuda" and isinstance(self.attn_backend, TritonAttentionBackend)
+        self.cuda_graphs = DecodeCudaGraphs(self.model, self.kv_caches, max_num_seqs, max_model_len)
+        self.cuda_graphs.capture()
+
+    # ---- one step: prepare (rank 0), run_forward (every rank), sample (rank 0) ----------------------------
+
     @torch.inference_mode()
-    def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
-        """Run the model over every scheduled token and sample where a sequence reaches its end (rank 0)."""
+    def prepare_step(self, plan: SchedulerOutput, adapters: Mapping[int, LoRAAdapter]) -> PreparedStep:
+        """The step every rank runs, with the step's adapters in slots (``adapters``: the weights of those that no
+        slot holds). :meth:`end_step` must follow, whether the forward ran or failed."""
         scheduled = plan.scheduled
         if self.lora is not None:  # each adapter's rows in one run
-            scheduled = sorted(scheduled, key=lambda s: self.lora.slot_order(s.request.lora_id))
-        step, sample_requests, spans = self._plan_step(plan.block_copies, scheduled)
+            scheduled = sorted(scheduled, key=lambda s: LoRASlots.slot_order(s.request.lora_id))
+        prepared = plan_forward(plan.block_copies, scheduled)
         if self.lora is not None:
-            self.lora.prepare_step(*_lora_runs(scheduled, step, sample_requests))
-        try:
-            logits = self.on_all_ranks("run_forward", step)
-        finally:
-            if self.lora is not None:
-                self.lora.clear_step()
-        out = ModelRunnerOutput()
-        for (request, _, count), span_logits in zip(spans, logits.prompt):
-            first = request.num_computed_tokens + 1  # the prompt token scored by the first row
-            targets = request.prompt_token_ids[first : first + count]
-            out.prompt_logprobs[request.request_id] = compute_prompt_logprobs(
-                span_logits, targets, request.sampling_params.prompt_logprobs
-            )
-        if logits.sample is None:
-            return out
-        self._sample(logits.sample, sample_requests, out)
-        return out
+            self.lora.prepare_step(*lora_runs(scheduled, prepared), adapters)
+        return prepared
+
+    def end_step(self) -> None:
+        if self.lora is not None:
+            self.lora.clear_step()
 
     @torch.inference_mode()
     def run_forward(self, step: ForwardStep) -> Optional[StepLogits]:
@@ -191,6 +121,20 @@ class ModelRunner:
             rows = hidden if output_rows is not None else hidden[step.sample_rows]
             sample = self.model.compute_logits(rows)  # [num_sampling_reqs, vocab] on rank 0
         return StepLogits(prompt, sample) if self.tp.is_first else None
+
+    @torch.inference_mode()
+    def sample(self, prepared: PreparedStep, logits: StepLogits) -> ModelRunnerOutput:
+        """Rank 0: prompt logprobs of the step's spans, and a token for every sequence that reached its end."""
+        out = ModelRunnerOutput()
+        for (request, _, count), span_logits in zip(prepared.spans, logits.prompt):
+            first = request.num_computed_tokens + 1  # the prompt token scored by the first row
+            targets = request.prompt_token_ids[first : first + count]
+            out.prompt_logprobs[request.request_id] = compute_prompt_logprobs(
+                span_logits, targets, request.sampling_params.prompt_logprobs
+            )
+        if logits.sample is not None:
+            self._sample(logits.sample, prepared.sample_requests, out)
+        return out
 
     def _sample(self, logits: torch.Tensor, sample_requests: list[Request], out: ModelRunnerOutput) -> None:
         rows: list[SamplingRow] = []
@@ -214,51 +158,6 @@ class ModelRunner:
                     out.logprobs[request.request_id] = sampled.logprobs[row : row + count]
             row += count
 
-    def _plan_step(
-        self, block_copies: list[tuple[int, int]], scheduled: list[ScheduledRequest]
-    ) -> tuple[ForwardStep, list[Request], list[tuple[Request, int, int]]]:
-        """The step every rank runs, the requests that sample (in logits order) and the prompt-logprob spans
-        (request, first flat index, count)."""
-        token_ids: list[int] = []
-        query_lens: list[int] = []
-        seq_lens: list[int] = []
-        block_tables: list[list[int]] = []
-        sample_requests: list[Request] = []
-        sample_indices: list[int] = []
-        spans: list[tuple[Request, int, int]] = []
-        for item in scheduled:
-            request, start = item.request, item.request.num_computed_tokens
-            end = start + item.num_tokens
-            flat_start = len(token_ids)
-            token_ids.extend(request.all_token_ids[start:end])
-            query_lens.append(item.num_tokens)
-            seq_lens.append(end)
-            block_tables.append(item.block_ids)
-            if request.pending_prompt_logprobs:
-                # position p scores prompt token p + 1; the last prompt position samples instead
-                count = min(end, request.num_prompt_tokens - 1) - start
-                if count > 0:
-                    spans.append((request, flat_start, count))
-            if item.samples:
-                sample_requests.append(request)
-                sample_indices.append(len(token_ids) - 1)
-        output_rows = None
-        # A prompt chunk: most rows only feed the cache. (A step that samples nothing keeps every row: no kernel
-        # then sees an empty batch.)
-        if not spans and 0 < len(sample_indices) < len(token_ids):
-            output_rows = sample_indices
-        step = ForwardStep(
-            block_copies=list(block_copies),
-            token_ids=token_ids,
-            query_lens=query_lens,
-            seq_lens=seq_lens,
-            block_tables=block_tables,
-            output_rows=output_rows,
-            prompt_logprob_spans=[(start, count) for _, start, count in spans],
-            sample_rows=sample_indices,
-        )
-        return step, sample_requests, spans
-
     def _step_tensors(
         self, step: ForwardStep
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, Optional[torch.Tensor]]:
@@ -274,13 +173,6 @@ class ModelRunner:
         input_ids = torch.tensor(step.token_ids, dtype=torch.int64, device=self.device)
         return input_ids, positions.to(self.device), meta, output_rows
 
-    def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
-        """Capture the decode forward for the batch sizes up to ``max_num_seqs`` (after the KV cache exists)."""
-        assert self.kv_caches, "allocate the KV cache before capturing"
-        assert self.device.type == "cuda" and isinstance(self.attn_backend, TritonAttentionBackend)
-        self.cuda_graphs = DecodeCudaGraphs(self.model, self.kv_caches, max_num_seqs, max_model_len)
-        self.cuda_graphs.capture()
-
     def _forward(
         self,
         input_ids: torch.Tensor,
@@ -290,7 +182,7 @@ class ModelRunner:
     ) -> torch.Tensor:
         """Hidden states [num_tokens, hidden] (or of ``output_rows``): a graph replay for a pure-decode step, else
         an eager forward. Pure decode samples every row, so graphs never see ``output_rows``."""
-        with_adapters = self.lora is not None and self.lora.context.full is not None  # graphs hold no adapter rows
+        with_adapters = self.lora is not None and self.lora.step_has_adapters  # graphs hold no adapter rows
         if (
             self.cuda_graphs is not None
             and output_rows is None
@@ -332,31 +224,6 @@ class ModelRunner:
         hidden = self.model(input_ids, positions, scratch, meta)
         self.model.compute_logits(hidden[-1:])
         del scratch, hidden
-
-
-def _lora_runs(
-    scheduled: list[ScheduledRequest], step: ForwardStep, sample_requests: list[Request]
-) -> tuple[list, Optional[list]]:
-    """(lora id, first row, end row) runs over the flat batch, and over the rows the last layer keeps (None: all).
-    ``scheduled`` is grouped by adapter, so consecutive equal ids merge into one run."""
-    runs: list[list] = []
-    row = 0
-    for item in scheduled:
-        _extend_run(runs, item.request.lora_id, row, row + item.num_tokens)
-        row += item.num_tokens
-    kept: Optional[list[list]] = None
-    if step.output_rows is not None:
-        kept = []
-        for index, request in enumerate(sample_requests):
-            _extend_run(kept, request.lora_id, index, index + 1)
-    return [tuple(r) for r in runs], None if kept is None else [tuple(r) for r in kept]
-
-
-def _extend_run(runs: list[list], lora_id: Optional[int], start: int, end: int) -> None:
-    if runs and runs[-1][0] == lora_id and runs[-1][2] == start:
-        runs[-1][2] = end
-    else:
-        runs.append([lora_id, start, end])
 
 
 def _sequence_generators(request: Request) -> list:

@@ -25,31 +25,12 @@ import torch
 
 from pagoda.cpu import argmax_rows
 from pagoda.outputs import Logprob
-from pagoda.sampling_params import SamplingParams
 from pagoda.structured_output.grammar import RequestGrammar, apply_grammar_masks
 from pagoda.worker import logits_processing as processing
+from pagoda.worker.logits_processing import SamplingRow
 
 # Prompt logprobs are computed this many positions at a time to bound the extra memory.
 _PROMPT_LOGPROBS_CHUNK = 512
-
-
-@dataclass(slots=True)
-class SamplingRow:
-    """What the sampler needs to know about one sequence of the batch."""
-
-    params: SamplingParams
-    # Per request (or per child of an n > 1 request); any device, CPU is cheapest since only
-    # one number per step is drawn from it. None falls back to torch's global generator, which
-    # is only right for greedy rows (it loses reproducibility and batch independence).
-    generator: Optional[torch.Generator]
-    prompt_token_ids: Sequence[int]
-    output_token_ids: Sequence[int]  # tokens generated so far by this sequence
-    # EOS ids + stop_token_ids: forbidden while len(output_token_ids) < params.min_tokens.
-    min_tokens_stop_ids: frozenset[int]
-    # The sequence's incrementally kept token counts for penalties; None: counted afresh for this call.
-    penalty_counts: Optional[processing.PenaltyCounts] = None
-    # The structured-output grammar at this sequence's position; None: unconstrained.
-    grammar: Optional[RequestGrammar] = None
 
 
 @dataclass(slots=True)
@@ -93,18 +74,6 @@ def compute_prompt_logprobs(logits: torch.Tensor, next_token_ids: Sequence[int],
         end = start + _PROMPT_LOGPROBS_CHUNK
         result.extend(_logprob_entries(logits[start:end], ids[start:end], [k] * len(ids[start:end])))
     return result
-
-
-def validate_for_vocab(params: SamplingParams, vocab_size: int) -> None:
-    """Reject (ValueError) token ids in ``params`` that the model's vocabulary does not have.
-
-    SamplingParams cannot check this alone; the engine calls it when a request arrives so a
-    bad request is refused instead of failing a whole batch in the sampler.
-    """
-    for name, ids in (("logit_bias", params.logit_bias or {}), ("stop_token_ids", params.stop_token_ids or [])):
-        bad = sorted(t for t in ids if not 0 <= t < vocab_size)
-        if bad:
-            raise ValueError(f"{name} has token ids outside the vocabulary (size {vocab_size}): {bad[:10]}.")
 
 
 def _process(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:

@@ -36,14 +36,22 @@ CONVERGENCE_TIMEOUT_SECONDS = 900.0
 
 
 @dataclass(slots=True, frozen=True)
+class EngineMetrics:
+    """The gauges of one pod (``autoscaler.scrape``); ``running`` and ``kv_cache_usage`` may be missing in older
+    engines."""
+
+    waiting: float
+    running: Optional[float] = None
+    kv_cache_usage: Optional[float] = None
+
+
+@dataclass(slots=True, frozen=True)
 class PodSample:
-    """One engine pod at one instant; metrics are None when they could not be read (unknown, not zero)."""
+    """One engine pod at one instant; ``metrics`` is None when they could not be read (unknown, not zero)."""
 
     name: str
     ready: bool
-    waiting: Optional[float] = None
-    running: Optional[float] = None
-    kv_cache_usage: Optional[float] = None
+    metrics: Optional[EngineMetrics] = None
 
 
 @dataclass(slots=True, frozen=True)
@@ -87,11 +95,11 @@ class Decision:
 
 def _metrics(samples: Sequence[PodSample]) -> DecisionMetrics:
     ready = [s for s in samples if s.ready]
-    known = [s for s in ready if s.waiting is not None]
-    kv = [s.kv_cache_usage for s in known if s.kv_cache_usage is not None]
+    known = [s.metrics for s in ready if s.metrics is not None]
+    kv = [m.kv_cache_usage for m in known if m.kv_cache_usage is not None]
     return DecisionMetrics(
-        waiting=sum(s.waiting or 0.0 for s in known),
-        running=sum(s.running or 0.0 for s in known),
+        waiting=sum(m.waiting for m in known),
+        running=sum(m.running or 0.0 for m in known),
         kv_cache_usage=sum(kv) / len(kv) if kv else None,
         pods_ready=len(ready),
         pods_unknown=len(ready) - len(known),

@@ -24,7 +24,7 @@ _MAX_COST = 2**31 - 1  # the annotation is an int32
 def deletion_costs(pods: Sequence[Mapping[str, Any]], samples: Sequence[PodSample]) -> dict[str, str]:
     """Pod name -> the cost to write: its running requests, for Ready pods whose count is known and whose annotation
     says something else. Pods without a count keep what they have (unknown is not zero: never marked idle)."""
-    running = {s.name: s.running for s in samples if s.ready and s.running is not None}
+    running = {s.name: s.metrics.running for s in samples if s.ready and s.metrics and s.metrics.running is not None}
     costs: dict[str, str] = {}
     for pod in pods:
         meta = pod.get("metadata") or {}

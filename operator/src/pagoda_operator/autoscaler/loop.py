@@ -23,7 +23,7 @@ import kopf
 from pagoda_operator.autoscaler.algorithm import Decision, PodSample, decide, from_status, to_status
 from pagoda_operator.autoscaler.deletion_cost import deletion_costs, write_deletion_costs
 from pagoda_operator.autoscaler.scrape import scrape
-from pagoda_operator.builders import Owner, selector_labels
+from pagoda_operator.builders import Owner, replicas_apply, selector_labels
 from pagoda_operator.constants import AUTOSCALER_FIELD_MANAGER
 from pagoda_operator.kube import KubeClient, object_path
 from pagoda_operator.pods import is_ready, pod_url
@@ -51,10 +51,7 @@ async def sample_pods(session: aiohttp.ClientSession, pods: list[dict[str, Any]]
         name = (pod.get("metadata") or {}).get("name", "?")
         if not is_ready(pod):
             return PodSample(name=name, ready=False)
-        metrics = await scrape(session, pod_url(pod, "/metrics"), model_name)
-        if metrics is None:
-            return PodSample(name=name, ready=True)
-        return PodSample(name, True, metrics.waiting, metrics.running, metrics.kv_cache_usage)
+        return PodSample(name, True, await scrape(session, pod_url(pod, "/metrics"), model_name))
 
     live = [p for p in pods if not (p.get("metadata") or {}).get("deletionTimestamp")]
     return list(await asyncio.gather(*(one(p) for p in live)))
@@ -142,15 +139,7 @@ async def autoscale_once(
     if decision.desired < current:
         await write_deletion_costs(kube, owner.namespace, deletion_costs(pods, samples))
     if decision.desired != current:
-        await kube.apply(
-            {
-                "apiVersion": "apps/v1",
-                "kind": "Deployment",
-                "metadata": {"name": owner.name, "namespace": owner.namespace},
-                "spec": {"replicas": decision.desired},
-            },
-            manager=AUTOSCALER_FIELD_MANAGER,
-        )
+        await kube.apply(replicas_apply(owner, decision.desired), manager=AUTOSCALER_FIELD_MANAGER)
         message = describe(decision, current)
         kopf.info(dict(body), reason="ScaledUp" if decision.desired > current else "ScaledDown", message=message)
         logger.info(f"ModelDeployment {owner.namespace}/{owner.name}: {message}")

@@ -2,25 +2,17 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from pagoda_operator.autoscaler.algorithm import EngineMetrics
+
 WAITING = "vllm:num_requests_waiting"
 RUNNING = "vllm:num_requests_running"
 KV_CACHE = "vllm:kv_cache_usage_perc"
 SCRAPE_TIMEOUT_SECONDS = 2.0
-
-
-@dataclass(slots=True, frozen=True)
-class EngineMetrics:
-    """The gauges of one pod; ``running`` and ``kv_cache_usage`` may be missing in older engines."""
-
-    waiting: float
-    running: Optional[float]
-    kv_cache_usage: Optional[float]
 
 
 def parse_metrics(text: str, model_name: Optional[str]) -> Optional[EngineMetrics]:

@@ -181,23 +181,19 @@ def _probe(path: str, period: int, failures: int) -> dict[str, Any]:
 _SECURITY_CONTEXT = {"allowPrivilegeEscalation": False, "runAsNonRoot": True, "capabilities": {"drop": ["ALL"]}}
 
 
-def _container(spec: ModelDeploymentSpec, owner: Owner) -> dict[str, Any]:
-    container = {
-        "name": "engine",
+def _pagoda_container(
+    spec: ModelDeploymentSpec, name: str, command: str, args: list[str], env: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """A container of the engine image running ``pagoda COMMAND ARGS``: what the engine and the model download
+    share (image, termination message, security context, the S3 credentials Secret)."""
+    container: dict[str, Any] = {
+        "name": name,
         "image": spec.image,
         "imagePullPolicy": spec.image_pull_policy,
-        "command": ["pagoda", "serve"],
-        "args": engine_args(spec),
-        "env": _env(spec),
-        "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}],
-        "resources": _resources(spec),
-        "volumeMounts": _volumes(spec, owner)[1],
-        # Loading a large model may take many minutes: the startup probe allows 30 of them before liveness counts.
-        "startupProbe": _probe("/ready", 10, 180),
-        "readinessProbe": _probe("/ready", 5, 3),
-        "livenessProbe": _probe("/health", 10, 3),
-        "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRESTOP_SLEEP_SECONDS)]}}},
-        # The engine writes "REASON: cause" there when it cannot start; without it, the last lines of its log.
+        "command": ["pagoda", command],
+        "args": args,
+        "env": env,
+        # Both write "REASON: cause" there when they cannot start; without it, the last lines of their log.
         "terminationMessagePolicy": "FallbackToLogsOnError",
         "securityContext": dict(_SECURITY_CONTEXT),
     }
@@ -206,25 +202,31 @@ def _container(spec: ModelDeploymentSpec, owner: Owner) -> dict[str, Any]:
     return container
 
 
+def _container(spec: ModelDeploymentSpec, owner: Owner) -> dict[str, Any]:
+    container = _pagoda_container(spec, "engine", "serve", engine_args(spec), _env(spec))
+    container.update(
+        ports=[{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}],
+        resources=_resources(spec),
+        volumeMounts=_volumes(spec, owner)[1],
+        # Loading a large model may take many minutes: the startup probe allows 30 of them before liveness counts.
+        startupProbe=_probe("/ready", 10, 180),
+        readinessProbe=_probe("/ready", 5, 3),
+        livenessProbe=_probe("/health", 10, 3),
+        lifecycle={"preStop": {"exec": {"command": ["sleep", str(PRESTOP_SLEEP_SECONDS)]}}},
+    )
+    return container
+
+
 def _download_container(spec: ModelDeploymentSpec) -> dict[str, Any]:
     """``pagoda download`` into the model cache: once per cache volume (a shared claim is filled once)."""
     resources = {
         kind: {k: v for k, v in values.items() if k != "nvidia.com/gpu"} for kind, values in _resources(spec).items()
     }
-    container = {
-        "name": "model-download",
-        "image": spec.image,
-        "imagePullPolicy": spec.image_pull_policy,
-        "command": ["pagoda", "download"],
-        "args": model_arguments(spec),
-        "env": _source_env(spec),
-        "resources": {k: v for k, v in resources.items() if v},
-        "volumeMounts": [{"name": "model-cache", "mountPath": CACHE_MOUNT}],
-        "terminationMessagePolicy": "FallbackToLogsOnError",
-        "securityContext": dict(_SECURITY_CONTEXT),
-    }
-    if _env_from(spec):
-        container["envFrom"] = _env_from(spec)
+    container = _pagoda_container(spec, "model-download", "download", model_arguments(spec), _source_env(spec))
+    container.update(
+        resources={k: v for k, v in resources.items() if v},
+        volumeMounts=[{"name": "model-cache", "mountPath": CACHE_MOUNT}],
+    )
     return container
 
 
@@ -277,3 +279,14 @@ def build_deployment(spec: ModelDeploymentSpec, owner: Owner, *, include_replica
     else:
         deployment_spec["replicas"] = spec.replicas
     return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": child_metadata(owner), "spec": deployment_spec}
+
+
+def replicas_apply(owner: Owner, replicas: int) -> dict[str, Any]:
+    """A server-side apply of the Deployment's ``spec.replicas`` alone: what the autoscaler's field manager owns
+    (the reconciler hands the field over with it, the autoscaler scales with it)."""
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": owner.name, "namespace": owner.namespace},
+        "spec": {"replicas": replicas},
+    }

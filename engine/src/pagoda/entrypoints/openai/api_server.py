@@ -27,20 +27,13 @@ from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 
-import pagoda
-from pagoda.config import EngineArgs
 from pagoda.engine.async_engine import AsyncLLMEngine
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.entrypoints.openai.auth import DEFAULT_EXEMPT_PATHS, ApiKeyMiddleware
-from pagoda.entrypoints.openai.defaults import (
-    DEFAULT_MAX_NUM_QUEUED_REQUESTS,
-    DEFAULT_POOL_SIZE,
-    DEFAULT_POOL_TYPE,
-    DEFAULT_SHUTDOWN_TIMEOUT,
-)
+from pagoda.entrypoints.openai.defaults import ServerConfig
 from pagoda.entrypoints.openai.errors import install_error_handlers, not_found_model, service_unavailable
 from pagoda.entrypoints.openai.http_guards import BodyLimitMiddleware, RequestIdMiddleware, header_timeout_protocol
-from pagoda.entrypoints.openai.limits import AdmissionControl, RequestChecker, ServerLimits
+from pagoda.entrypoints.openai.limits import AdmissionControl, RequestChecker
 from pagoda.entrypoints.openai.lora_serving import LoRAAdapters, LoRAFileWatcher, add_lora_routes
 from pagoda.entrypoints.openai.openapi import install_openapi, route_responses
 from pagoda.entrypoints.openai.protocol import (
@@ -54,40 +47,15 @@ from pagoda.entrypoints.openai.serving import OpenAIServing
 from pagoda.entrypoints.openai.serving_chat import ChatOptions
 from pagoda.entrypoints.openai.tokenizer_pool import TokenizerPool, TokenizerSpec
 from pagoda.entrypoints.openai.tool_parsers import get_tool_parser
-from pagoda.lora.sources import LoRAModule
 from pagoda.metrics import EngineMetrics
 from pagoda.startup_failure import report_startup_failure
+from pagoda.version import __version__
 
 logger = logging.getLogger(__name__)
 
 # Probes and the operator's reads need no key: /metrics (autoscaler) and /lora_adapters (adapter status).
 AUTH_EXEMPT_PATHS = DEFAULT_EXEMPT_PATHS | {"/lora_adapters"}
 _TRACKED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
-
-
-@dataclass(frozen=True, slots=True)
-class ServerConfig:
-    """Server settings; the engine's own are in ``engine_args``."""
-
-    engine_args: EngineArgs
-    host: str = "127.0.0.1"
-    port: int = 8000
-    served_model_name: Optional[str] = None
-    api_keys: tuple[str, ...] = ()
-    max_num_queued_requests: int = DEFAULT_MAX_NUM_QUEUED_REQUESTS
-    shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT
-    limits: ServerLimits = field(default_factory=ServerLimits)
-    allowed_origins: tuple[str, ...] = ()  # CORS: none by default
-    allow_credentials: bool = False
-    tokenizer_pool_type: str = DEFAULT_POOL_TYPE
-    tokenizer_pool_size: int = DEFAULT_POOL_SIZE
-    enable_auto_tool_choice: bool = False
-    tool_call_parser: Optional[str] = None  # hermes | llama3_json | mistral
-    reasoning_parser: Optional[str] = None  # qwen3 | deepseek_r1
-    lora_modules: tuple[LoRAModule, ...] = ()  # served from the start (needs engine_args.enable_lora)
-    lora_modules_file: Optional[str] = None  # a watched adapter list (see lora_serving)
-    lora_modules_poll_seconds: float = 5.0
-    allow_runtime_lora_updates: bool = False  # the load/unload endpoints
 
 
 # What clients are told when loading failed or the engine stopped; the cause is in the log (and, for a
@@ -102,15 +70,16 @@ class ServerState:
 
     config: ServerConfig
     model_name: str
+    # set by the loader thread once the model is loaded (None until then: /ready answers 503)
     engine: Optional[AsyncLLMEngine] = None
     serving: Optional[OpenAIServing] = None
     metrics: Optional[EngineMetrics] = None
     pool: Optional[TokenizerPool] = None
-    lora: Optional[LoRAAdapters] = None
-    lora_watcher: Optional[LoRAFileWatcher] = None
-    load_error: Optional[str] = None
-    draining: bool = False
-    in_flight: int = 0
+    lora: Optional[LoRAAdapters] = None  # with --enable-lora
+    lora_watcher: Optional[LoRAFileWatcher] = None  # with --lora-modules-file
+    load_error: Optional[str] = None  # why loading failed (the termination message says the same)
+    draining: bool = False  # after the first SIGTERM: /ready and new requests answer 503
+    in_flight: int = 0  # requests between arrival and their last byte
     started: float = field(default_factory=time.time)
     exit_code: int = 0
     # Set by run_server: ends the process with this status (thread-safe); None when there is no server.
@@ -135,7 +104,7 @@ class ServerState:
                 stats.block_size,
                 stats.num_blocks,
                 max_model_len=engine.max_model_len,
-                max_loras=args.max_loras if args.enable_lora else 0,
+                max_loras=args.lora_slots,
             )
             self._load_adapters(engine)
             starting.wait()
@@ -239,7 +208,7 @@ def build_app(config: ServerConfig) -> FastAPI:
         if state.pool is not None:
             state.pool.shutdown()
 
-    app = FastAPI(title="Pagoda", version=pagoda.__version__, lifespan=lifespan)
+    app = FastAPI(title="Pagoda", version=__version__, lifespan=lifespan)
     app.state.pagoda = state
     install_error_handlers(app)
     install_openapi(app)
@@ -305,7 +274,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
 
     @route("get", "/version")
     async def version() -> dict:
-        return {"version": pagoda.__version__}
+        return {"version": __version__}
 
     @route("get", "/v1/models")
     async def models() -> dict:

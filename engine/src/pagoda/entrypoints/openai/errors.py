@@ -18,7 +18,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
+
+from pagoda.entrypoints.openai.asgi import HTTPMiddleware
 
 logger = logging.getLogger(__name__)
 
@@ -174,7 +176,7 @@ async def _unhandled_exception_handler(request: Request, exc: Exception) -> JSON
     return internal_error().response()
 
 
-class CatchAllMiddleware:
+class CatchAllMiddleware(HTTPMiddleware):
     """Turns an exception that escaped every handler into a 500 OpenAI body, logged with its traceback.
 
     Starlette's own last-resort handler re-raises after responding, which makes the ASGI server log the
@@ -182,13 +184,7 @@ class CatchAllMiddleware:
     has already started (a stream), nothing can be sent any more and the exception goes on to the server.
     """
 
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         started = False
 
         async def send_tracking(message: Message) -> None:

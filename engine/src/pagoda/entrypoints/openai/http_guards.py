@@ -27,6 +27,7 @@ import h11
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from pagoda.entrypoints.openai.asgi import HTTPMiddleware
 from pagoda.entrypoints.openai.errors import OpenAIError
 
 logger = logging.getLogger(__name__)
@@ -94,18 +95,18 @@ class HeaderTimeoutH11Protocol(H11Protocol):
         self.transport.close()
 
 
-class BodyLimitMiddleware:
+class BodyLimitMiddleware(HTTPMiddleware):
     """Buffers each request body within a size limit and a deadline, then hands it to the app."""
 
     def __init__(self, app: ASGIApp, max_bytes: int, timeout: float) -> None:
-        self.app = app
+        super().__init__(app)
         self.max_bytes = max_bytes
         self.timeout = timeout
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["method"] in _BODYLESS_METHODS:
-            await self.app(scope, receive, send)
-            return
+    def applies_to(self, scope: Scope) -> bool:
+        return scope["method"] not in _BODYLESS_METHODS
+
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         declared = _content_length(scope)
         # An oversized body is still read (and dropped) up to this much, so the client, which is usually
         # still sending, can read the 413 instead of getting a reset connection. Beyond it: 413 and close.
@@ -156,16 +157,10 @@ class BodyLimitMiddleware:
         await (_closing(error) if close else error.response())(scope, receive, send)
 
 
-class RequestIdMiddleware:
+class RequestIdMiddleware(HTTPMiddleware):
     """``X-Request-Id`` in (or a new uuid), echoed out, in ``scope["state"]`` and in log records."""
 
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         request_id = _request_id(scope)
         scope.setdefault("state", {})["request_id"] = request_id
         header = (REQUEST_ID_HEADER, request_id.encode())

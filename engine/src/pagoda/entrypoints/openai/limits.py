@@ -1,8 +1,8 @@
 """What one request may ask of the server, checked before any expensive work (tokenizing, queueing).
 
-Each limit is a ``pagoda serve`` flag. The checks run on the parsed body on the event loop and cost
-O(number of list items), never O(text length) beyond ``len()``: a 20 MB prompt is refused in microseconds,
-before it reaches a tokenizer. Admission then counts the sequences a request adds (prompts x n) against
+Each limit is a ``pagoda serve`` flag (a field of :class:`~pagoda.entrypoints.openai.defaults.ServerLimits`). The
+checks run on the parsed body on the event loop and cost O(number of list items), never O(text length) beyond
+``len()``: a 20 MB prompt is refused in microseconds, before it reaches a tokenizer. Admission then counts the sequences a request adds (prompts x n) against
 ``--max-num-queued-requests`` in one step, with no ``await`` between the check and the reservation.
 """
 
@@ -12,53 +12,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Optional, Union
 
-from pagoda.entrypoints.openai.defaults import (
-    DEFAULT_HTTP_BODY_TIMEOUT,
-    DEFAULT_HTTP_HEADER_TIMEOUT,
-    DEFAULT_MAX_LOGIT_BIAS,
-    DEFAULT_MAX_MESSAGES,
-    DEFAULT_MAX_N,
-    DEFAULT_MAX_PENDING_COMPILES,
-    DEFAULT_MAX_PROMPTS_PER_REQUEST,
-    DEFAULT_MAX_REQUEST_BODY_BYTES,
-    DEFAULT_MAX_STOP_SEQUENCES,
-    DEFAULT_MAX_STRUCTURED_OUTPUT_CHARS,
-    DEFAULT_MAX_TOOLS,
-    DEFAULT_STRUCTURED_OUTPUT_COMPILE_TIMEOUT,
-    PROMPT_CHARS_PER_TOKEN,
-)
+from pagoda.entrypoints.openai.defaults import ServerLimits
 from pagoda.entrypoints.openai.errors import OpenAIError, bad_request, too_many_requests
 from pagoda.tokenizer import iter_strings
-
-
-@dataclass(frozen=True, slots=True)
-class ServerLimits:
-    """Per-request limits of the HTTP server (each a ``pagoda serve`` flag of the same name)."""
-
-    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
-    max_prompt_chars: Optional[int] = None  # None: PROMPT_CHARS_PER_TOKEN x max_model_len
-    max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST
-    max_messages: int = DEFAULT_MAX_MESSAGES
-    max_stop_sequences: int = DEFAULT_MAX_STOP_SEQUENCES  # stop strings, and stop token ids, each
-    max_logit_bias: int = DEFAULT_MAX_LOGIT_BIAS
-    max_n: int = DEFAULT_MAX_N
-    http_header_timeout: float = DEFAULT_HTTP_HEADER_TIMEOUT
-    http_body_timeout: float = DEFAULT_HTTP_BODY_TIMEOUT
-    max_tools: int = DEFAULT_MAX_TOOLS
-    max_structured_output_chars: int = DEFAULT_MAX_STRUCTURED_OUTPUT_CHARS  # a schema, regex, grammar or choices
-    structured_output_compile_timeout: float = DEFAULT_STRUCTURED_OUTPUT_COMPILE_TIMEOUT
-    max_pending_compiles: int = DEFAULT_MAX_PENDING_COMPILES  # output constraints compiling at once (then 429)
-
-    def validate(self) -> None:
-        """ValueError naming the flag of any limit that is not positive."""
-        for name in self.__dataclass_fields__:
-            value = getattr(self, name)
-            if value is not None and not value > 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value}")
-
-    def prompt_chars(self, max_model_len: int) -> int:
-        """The prompt character limit in effect for a model of ``max_model_len`` tokens."""
-        return self.max_prompt_chars or PROMPT_CHARS_PER_TOKEN * max_model_len
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,11 +9,11 @@ document and the server to each other.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+from typing import Any, Generic, Optional, TypeVar, Union
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
-from pydantic import BaseModel
+from pydantic import BaseModel, create_model
 from pydantic.json_schema import models_json_schema
 
 from pagoda.entrypoints.openai.responses import SSE_MEDIA_TYPE
@@ -43,6 +43,25 @@ class Usage(BaseModel):
     prompt_tokens_details: Optional[PromptTokensDetails] = None
 
 
+class _ResponseHead(BaseModel):
+    """The fields every completion and chat body, whole or streamed, opens with."""
+
+    id: str
+    object: str
+    created: int
+    model: str
+
+
+_ChoiceT = TypeVar("_ChoiceT", bound=BaseModel)
+
+
+class _WholeResponse(_ResponseHead, Generic[_ChoiceT]):
+    """A response without ``stream``: every choice, then the usage."""
+
+    choices: list[_ChoiceT]
+    usage: Usage
+
+
 class CompletionLogprobs(BaseModel):
     tokens: list[str]
     token_logprobs: list[float]
@@ -50,23 +69,24 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int]
 
 
-class CompletionChoice(BaseModel):
-    index: int
-    text: str
-    logprobs: Optional[CompletionLogprobs] = None
-    finish_reason: Optional[str] = None
-    stop_reason: Union[None, int, str] = None
+def _choice(name: str, output_field: str, output: type, logprobs: type[BaseModel]) -> type[BaseModel]:
+    """A whole choice: its index, its output (``text`` or ``message``), its logprobs and why it ended, in that order
+    (a shared base class would list its own fields first)."""
+    fields: dict[str, Any] = {
+        "index": (int, ...),
+        output_field: (output, ...),
+        "logprobs": (Optional[logprobs], None),
+        "finish_reason": (Optional[str], None),
+        "stop_reason": (Union[None, int, str], None),
+    }
+    return create_model(name, __module__=__name__, **fields)
 
 
-class Completion(BaseModel):
+CompletionChoice = _choice("CompletionChoice", "text", str, CompletionLogprobs)
+
+
+class Completion(_WholeResponse[CompletionChoice]):
     """``POST /v1/completions`` without ``stream``."""
-
-    id: str
-    object: str
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage
 
 
 class TopLogprob(BaseModel):
@@ -101,32 +121,16 @@ class AssistantMessage(BaseModel):
     tool_calls: Optional[list[ToolCall]] = None
 
 
-class ChatChoice(BaseModel):
-    index: int
-    message: AssistantMessage
-    logprobs: Optional[ChatLogprobs] = None
-    finish_reason: Optional[str] = None
-    stop_reason: Union[None, int, str] = None
+ChatChoice = _choice("ChatChoice", "message", AssistantMessage, ChatLogprobs)
 
 
-class ChatCompletion(BaseModel):
+class ChatCompletion(_WholeResponse[ChatChoice]):
     """``POST /v1/chat/completions`` without ``stream``."""
 
-    id: str
-    object: str
-    created: int
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage
 
-
-class CompletionChunk(BaseModel):
+class CompletionChunk(_ResponseHead):
     """One event of ``POST /v1/completions`` with ``stream: true`` (the usage chunk has no choices)."""
 
-    id: str
-    object: str
-    created: int
-    model: str
     choices: list[CompletionChoice]  # the same shape as in a whole response, with this step's text
     usage: Optional[Usage] = None
 
@@ -157,13 +161,9 @@ class ChatStreamChoice(BaseModel):
     finish_reason: Optional[str] = None
 
 
-class ChatCompletionChunk(BaseModel):
+class ChatCompletionChunk(_ResponseHead):
     """One event of ``POST /v1/chat/completions`` with ``stream: true``."""
 
-    id: str
-    object: str
-    created: int
-    model: str
     choices: list[ChatStreamChoice]
     usage: Optional[Usage] = None
 

@@ -41,6 +41,19 @@ from pagoda.structured_output.params import StructuredOutputsParams
 MAX_LOGPROBS = 20
 # Request fields whose default comes from the model's generation config when the request leaves them unset.
 GENERATION_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+# Request fields that SamplingParams takes as they are, under the same name.
+PASSED_FIELDS = (
+    "n",
+    "presence_penalty",
+    "frequency_penalty",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "include_stop_str_in_output",
+    "ignore_eos",
+    "min_tokens",
+    "skip_special_tokens",
+)
 # Arguments the server itself passes to the chat template.
 RESERVED_TEMPLATE_KWARGS = frozenset(
     {"messages", "tools", "documents", "add_generation_prompt", "continue_final_message", "chat_template", "tokenize"}
@@ -185,10 +198,18 @@ class _SamplingRequest(BaseModel):
             )
         return value
 
-    def _sampling_params(
-        self, max_tokens: Optional[int], logprobs: Optional[int], defaults: Mapping[str, Any], **extra: Any
+    def to_sampling_params(
+        self,
+        default_max_tokens: Optional[int],
+        defaults: Mapping[str, Any],
+        structured_outputs: Optional[StructuredOutputsParams] = None,
     ) -> SamplingParams:
-        """SamplingParams from the shared fields; a ValueError from it becomes a 400 naming the field."""
+        """The request's SamplingParams (raises ``OpenAIError`` 400 naming the field for invalid values).
+
+        ``default_max_tokens`` is the output limit when the request sets none (None: up to the context length);
+        ``defaults`` are the model's generation-config values for the fields the request leaves unset.
+        """
+        max_tokens, logprobs, extra = self._output_fields(default_max_tokens)
         generation = {}
         for name in GENERATION_DEFAULT_FIELDS:
             value = getattr(self, name)
@@ -196,27 +217,24 @@ class _SamplingRequest(BaseModel):
                 value = defaults.get(name)
             if value is not None:  # else SamplingParams' own default (temperature 1.0, as vLLM)
                 generation[name] = value
+        passed = {name: getattr(self, name) for name in PASSED_FIELDS}
         try:
             return SamplingParams(
-                n=self.n,
-                presence_penalty=self.presence_penalty,
-                frequency_penalty=self.frequency_penalty,
-                seed=self.seed,
-                stop=self.stop,
-                stop_token_ids=self.stop_token_ids,
-                include_stop_str_in_output=self.include_stop_str_in_output,
-                ignore_eos=self.ignore_eos,
+                **passed,
+                **generation,
                 max_tokens=max_tokens,
-                min_tokens=self.min_tokens,
                 logprobs=logprobs,
                 logit_bias=dict(self.logit_bias) if self.logit_bias else None,
-                skip_special_tokens=self.skip_special_tokens,
                 output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
-                **generation,
+                structured_outputs=structured_outputs,
                 **extra,
             )
         except ValueError as exc:
             raise sampling_error(exc) from None
+
+    def _output_fields(self, default_max_tokens: Optional[int]) -> tuple[Optional[int], Optional[int], dict[str, Any]]:
+        """(max_tokens, logprobs, other SamplingParams arguments) from the endpoint's own fields."""
+        raise NotImplementedError
 
 
 class CompletionRequest(_SamplingRequest):
@@ -249,27 +267,12 @@ class CompletionRequest(_SamplingRequest):
             return [list(prompt)]  # type: ignore[arg-type]
         return [p if isinstance(p, str) else list(p) for p in prompt]  # type: ignore[union-attr]
 
-    def to_sampling_params(
-        self,
-        default_max_tokens: Optional[int],
-        defaults: Mapping[str, Any],
-        structured_outputs: Optional[StructuredOutputsParams] = None,
-    ) -> SamplingParams:
-        """The request's SamplingParams (raises ``OpenAIError`` 400 for invalid values).
-
-        ``default_max_tokens`` is used when the request sets ``max_tokens`` to null (None: up to the
-        context length); ``defaults`` are the model's generation-config values for the fields the
-        request leaves unset. With ``echo`` and ``logprobs`` the prompt's logprobs are requested too.
-        """
+    def _output_fields(self, default_max_tokens: Optional[int]) -> tuple[Optional[int], Optional[int], dict[str, Any]]:
+        """``max_tokens`` null means ``default_max_tokens``; with ``echo`` and ``logprobs`` the prompt's logprobs
+        are requested too."""
         max_tokens = self.max_tokens if self.max_tokens is not None else default_max_tokens
         prompt_logprobs = self.logprobs if self.echo and self.logprobs is not None else None
-        return self._sampling_params(
-            max_tokens,
-            self.logprobs,
-            defaults,
-            prompt_logprobs=prompt_logprobs,
-            structured_outputs=structured_outputs,
-        )
+        return max_tokens, self.logprobs, {"prompt_logprobs": prompt_logprobs}
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -312,22 +315,13 @@ class ChatCompletionRequest(_SamplingRequest):
             raise ValueError(f"chat_template_kwargs may not set {reserved}: use the request's own fields")
         return value
 
-    def to_sampling_params(
-        self,
-        default_max_tokens: Optional[int],
-        defaults: Mapping[str, Any],
-        structured_outputs: Optional[StructuredOutputsParams] = None,
-    ) -> SamplingParams:
-        """The request's SamplingParams (raises ``OpenAIError`` 400 for invalid values).
-
-        ``max_completion_tokens`` wins over the deprecated ``max_tokens``; with neither,
-        ``default_max_tokens`` (None: up to the context length). ``defaults`` as for completions.
-        """
+    def _output_fields(self, default_max_tokens: Optional[int]) -> tuple[Optional[int], Optional[int], dict[str, Any]]:
+        """``max_completion_tokens`` wins over the deprecated ``max_tokens``; with neither, ``default_max_tokens``."""
         max_tokens = next(
             (v for v in (self.max_completion_tokens, self.max_tokens, default_max_tokens) if v is not None), None
         )
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling_params(max_tokens, logprobs, defaults, structured_outputs=structured_outputs)
+        return max_tokens, logprobs, {}
 
 
 class TokenizeRequest(BaseModel):

@@ -25,6 +25,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import ClassVar, Optional
 
+from pagoda.entrypoints.openai.output_parsing import make_parser, partial_suffix_len
+
 __all__ = [
     "REASONING_PARSERS",
     "DeepSeekR1ReasoningParser",
@@ -68,14 +70,6 @@ def _after_opening_tag(text: str) -> Optional[str]:
     """The text after a leading ``<think>`` (whitespace before it allowed), or None if the output has none."""
     head = text.lstrip()
     return head[len(THINK_START) :] if head.startswith(THINK_START) else None
-
-
-def _partial_suffix_len(text: str, marker: str) -> int:
-    """Length of the longest end of ``text`` that is a proper beginning of ``marker`` (it may become the marker)."""
-    for length in range(min(len(text), len(marker) - 1), 0, -1):
-        if text.endswith(marker[:length]):
-            return length
-    return 0
 
 
 class _ThinkTagParser(ReasoningParser):
@@ -193,7 +187,7 @@ class _ThinkStreamer(ReasoningStreamer):
             self._pending = ""
             self._state = _AFTER_END
             return reasoning, self._feed_content(rest)[1]
-        cut = len(self._pending) - _partial_suffix_len(self._pending, THINK_END)
+        cut = len(self._pending) - partial_suffix_len(self._pending, THINK_END)
         reasoning, self._pending = self._pending[:cut], self._pending[cut:]
         return reasoning, ""
 
@@ -226,8 +220,4 @@ REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
 
 def get_reasoning_parser(name: str) -> ReasoningParser:
     """The parser registered as ``name``; ValueError listing the known names otherwise."""
-    try:
-        return REASONING_PARSERS[name]()
-    except KeyError:
-        known = ", ".join(sorted(REASONING_PARSERS))
-        raise ValueError(f"unknown reasoning parser {name!r}; known parsers: {known}") from None
+    return make_parser(REASONING_PARSERS, name, "reasoning parser")

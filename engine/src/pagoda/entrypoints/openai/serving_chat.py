@@ -1,6 +1,6 @@
 """``POST /v1/chat/completions``: tools, tool choice, structured outputs, reasoning, and the chat template.
 
-The stages are the completions endpoint's (see :mod:`serving`); chat adds the tools (validated, handed to
+The stages are the completions endpoint's (see :mod:`serving_base`); chat adds the tools (validated, handed to
 the template), the tool choice (``required`` and a named tool are enforced by a grammar built from the tools'
 schemas, ``auto`` reads the output with ``--tool-call-parser``), and the reasoning split
 (``--reasoning-parser``). Outputs are shaped by :mod:`chat_output`.
@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -20,7 +20,6 @@ from pagoda.entrypoints.openai.chat_output import ChatOutputConfig, ChatOutputSt
 from pagoda.entrypoints.openai.errors import bad_request, internal_error
 from pagoda.entrypoints.openai.http_guards import request_id_of
 from pagoda.entrypoints.openai.protocol import ChatCompletionRequest, message_dicts
-from pagoda.entrypoints.openai.reasoning_parsers import ReasoningParser
 from pagoda.entrypoints.openai.responses import (
     CLIENT_CLOSED_REQUEST,
     StreamUsage,
@@ -29,30 +28,19 @@ from pagoda.entrypoints.openai.responses import (
     until_disconnected,
     usage,
 )
+from pagoda.entrypoints.openai.serving_base import ChatOptions, ServingBase, Sub
 from pagoda.entrypoints.openai.structured_request import structured_outputs_of
-from pagoda.entrypoints.openai.tokenizer_pool import ChatRenderOptions, TokenizerPoolError
+from pagoda.entrypoints.openai.tokenizer_pool import TokenizerPoolError
 from pagoda.entrypoints.openai.tool_choice import (
     named_tool_schema,
     required_tool_calls_schema,
     resolve_tool_choice,
     validate_tools,
 )
-from pagoda.entrypoints.openai.tool_parsers import ToolParser
 from pagoda.outputs import CompletionOutput
 from pagoda.sampling_params import SamplingParams
 from pagoda.structured_output.params import StructuredOutputsParams
-
-if TYPE_CHECKING:
-    from pagoda.entrypoints.openai.serving import OpenAIServing, Sub
-
-
-@dataclass(frozen=True, slots=True)
-class ChatOptions:
-    """The server's chat flags: ``--enable-auto-tool-choice``, ``--tool-call-parser``, ``--reasoning-parser``."""
-
-    enable_auto_tool_choice: bool = False
-    tool_parser: Optional[ToolParser] = None
-    reasoning_parser: Optional[ReasoningParser] = None
+from pagoda.tokenizer import ChatRenderOptions
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,9 +54,9 @@ class _ChatPlan:
 
 
 class ChatServing:
-    """Chat completions over the shared stages of :class:`OpenAIServing` (``base``)."""
+    """Chat completions over the shared stages of :class:`~serving_base.ServingBase` (``base``)."""
 
-    def __init__(self, base: OpenAIServing, options: ChatOptions) -> None:
+    def __init__(self, base: ServingBase, options: ChatOptions) -> None:
         self.base = base
         self.options = options
 

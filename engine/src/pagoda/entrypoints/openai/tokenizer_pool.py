@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from pagoda.entrypoints.openai.defaults import DEFAULT_POOL_SIZE, DEFAULT_POOL_TYPE, POOL_TYPES
-from pagoda.tokenizer import encode_prompt, get_tokenizer, render_chat_template
+from pagoda.tokenizer import ChatRenderOptions, encode_prompt, get_tokenizer, render_chat_template
 
 logger = logging.getLogger(__name__)
 
@@ -46,15 +46,6 @@ class TokenizerSpec:
 
     path: str
     chat_template: Optional[str] = None
-
-
-@dataclass(frozen=True, slots=True)
-class ChatRenderOptions:
-    """What else a chat request hands its template (picklable)."""
-
-    tools: Optional[list[dict[str, Any]]] = None
-    continue_final_message: bool = False
-    template_kwargs: Optional[dict[str, Any]] = None
 
 
 # ---- worker side: one tokenizer per process (process pool) or per thread (thread pool) ----------
@@ -90,15 +81,7 @@ def _render_chat(messages: list[dict[str, Any]], add_generation_prompt: bool, op
         raise ValueError(
             "this model has no chat template; start the server with --chat-template to use chat completions"
         )
-    text = render_chat_template(
-        tokenizer,
-        messages,
-        template,
-        add_generation_prompt,
-        tools=options.tools,
-        continue_final_message=options.continue_final_message,
-        template_kwargs=options.template_kwargs,
-    )
+    text = render_chat_template(tokenizer, messages, template, add_generation_prompt, options)
     return encode_prompt(tokenizer, text, add_special_tokens=False)
 
 

@@ -24,6 +24,7 @@ its last call, so the calls arrive at most a few tokens later than they could.
 
 from __future__ import annotations
 
+from pagoda.entrypoints.openai.output_parsing import make_parser
 from pagoda.entrypoints.openai.tool_parsers.base import (
     DeltaMessage,
     ExtractedToolCalls,
@@ -65,8 +66,4 @@ TOOL_CALL_PARSERS: dict[str, type[ToolParser]] = {
 
 def get_tool_parser(name: str) -> ToolParser:
     """The parser registered as ``name``; ValueError listing the known names otherwise."""
-    try:
-        return TOOL_CALL_PARSERS[name]()
-    except KeyError:
-        known = ", ".join(sorted(TOOL_CALL_PARSERS))
-        raise ValueError(f"unknown tool call parser {name!r}; known parsers: {known}") from None
+    return make_parser(TOOL_CALL_PARSERS, name, "tool call parser")

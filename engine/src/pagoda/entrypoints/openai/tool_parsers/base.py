@@ -11,6 +11,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, ClassVar, Optional
 
+from pagoda.entrypoints.openai.output_parsing import partial_suffix_len
+
 _ALNUM = string.ascii_letters + string.digits
 
 
@@ -127,14 +129,6 @@ def _call_parts(obj: Any) -> Optional[tuple[str, dict[str, Any]]]:
     return name, arguments
 
 
-def _partial_suffix_len(text: str, marker: str) -> int:
-    """Length of the longest end of ``text`` that is a proper beginning of ``marker`` (it may become the marker)."""
-    for length in range(min(len(text), len(marker) - 1), 0, -1):
-        if text.endswith(marker[:length]):
-            return length
-    return 0
-
-
 class ToolCallStreamer(ABC):
     """Per-choice state that turns streamed text deltas into content and tool-call deltas."""
 
@@ -177,6 +171,32 @@ class ToolParser(ABC):
 
 def _plain(text: str) -> ExtractedToolCalls:
     return ExtractedToolCalls(text, ())
+
+
+class MarkerToolParser(ToolParser):
+    """A format whose tool-call section starts at ``marker`` after free content (``<tool_call>``, ``[TOOL_CALLS]``).
+
+    The content is the text before the first marker; the subclass reads the calls of the section from there.
+    """
+
+    marker: ClassVar[str]
+
+    def extract(self, text: str) -> ExtractedToolCalls:
+        first = text.find(self.marker)
+        if first < 0:
+            return _plain(text)
+        parts = self._section_calls(text, first)
+        if parts is None:
+            return _plain(text)
+        return self._result(text[:first], parts)
+
+    @abstractmethod
+    def _section_calls(self, text: str, first: int) -> Optional[list[tuple[str, dict[str, Any]]]]:
+        """The (name, arguments) of every call from the marker at ``first`` on, or None if any call is malformed
+        (the whole output is then content)."""
+
+    def streamer(self) -> ToolCallStreamer:
+        return _MarkerStreamer(self, self.marker)
 
 
 class _DeferredStreamer(ToolCallStreamer):
@@ -242,7 +262,7 @@ class _MarkerStreamer(_DeferredStreamer):
             self._in_section = True
         else:
             # A partial marker at the end stays pending: it is never content if the marker completes.
-            cut = len(self._pending) - _partial_suffix_len(self._pending, self._marker)
+            cut = len(self._pending) - partial_suffix_len(self._pending, self._marker)
             candidate, rest = self._pending[:cut], self._pending[cut:]
         if self._emitted == 0 and not candidate.strip():
             # Whitespace-only content before calls is reported as None, so it waits for real text (or finish()).

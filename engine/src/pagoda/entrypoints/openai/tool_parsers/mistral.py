@@ -6,12 +6,8 @@ import re
 from typing import Any, ClassVar, Optional
 
 from pagoda.entrypoints.openai.tool_parsers.base import (
-    ExtractedToolCalls,
-    ToolCallStreamer,
-    ToolParser,
+    MarkerToolParser,
     _call_parts,
-    _MarkerStreamer,
-    _plain,
     _raw_decode,
     _skip_whitespace,
     new_mistral_tool_call_id,
@@ -22,7 +18,7 @@ from pagoda.entrypoints.openai.tool_parsers.base import (
 _MISTRAL_CALL_HEAD = re.compile(r"\s*([A-Za-z0-9_.\-]+)\s*(?:\[CALL_ID\]\s*[A-Za-z0-9]+\s*)?(?:\[ARGS\])?\s*(?=\{)")
 
 
-class MistralToolParser(ToolParser):
+class MistralToolParser(MarkerToolParser):
     """Mistral: content, then ``[TOOL_CALLS]`` and either a JSON array of calls or ``name[ARGS]{...}`` segments.
 
     Each ``[TOOL_CALLS]`` segment holds a JSON array (text after the closed array is dropped) or one or more
@@ -32,20 +28,14 @@ class MistralToolParser(ToolParser):
     name: ClassVar[str] = "mistral"
     marker: ClassVar[str] = "[TOOL_CALLS]"
 
-    def extract(self, text: str) -> ExtractedToolCalls:
-        first = text.find(self.marker)
-        if first < 0:
-            return _plain(text)
+    def _section_calls(self, text: str, first: int) -> Optional[list[tuple[str, dict[str, Any]]]]:
         parts: list[tuple[str, dict[str, Any]]] = []
         for segment in text[first + len(self.marker) :].split(self.marker):
             segment_parts = _parse_mistral_segment(segment)
             if segment_parts is None:
-                return _plain(text)
+                return None
             parts.extend(segment_parts)
-        return self._result(text[:first], parts)
-
-    def streamer(self) -> ToolCallStreamer:
-        return _MarkerStreamer(self, self.marker)
+        return parts
 
     def new_id(self) -> str:
         return new_mistral_tool_call_id()

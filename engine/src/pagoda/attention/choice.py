@@ -1,4 +1,5 @@
-"""Which kernel runs CPU prefill attention, chosen by timing both on this machine.
+"""Which attention runs: the backend for a device (:func:`resolve_attention_backend`), and on the CPU which kernel
+serves prefill attention, chosen by timing both on this machine (:func:`choose_prefill_attention`).
 
 The native paged-attention kernel (``cpu/paged_attention.cpp``) computes QK^T and PV with AVX512-BF16 dot products,
 tuned on a Zen 4 host. PyTorch's SDPA runs those two products through oneDNN, which uses the AMX tile units where the
@@ -18,19 +19,36 @@ from collections.abc import Callable
 
 import torch
 
-from pagoda.layers.kernel_selection import TOLERANCE, kernel_mode
-from pagoda.worker.attention import (
-    AttentionLayerSpec,
-    TorchAttentionBackend,
-    build_metadata,
-    native_attention_applies,
-)
+from pagoda.attention.protocol import AttentionLayerSpec, build_metadata
+from pagoda.attention.torch_backend import TorchAttentionBackend, native_attention_applies
+from pagoda.cpu.kernel_selection import TOLERANCE, kernel_mode
+from pagoda.kernel_loading import check_triton_usable, triton_available
 
 logger = logging.getLogger(__name__)
 
 PREFILL_TOKENS = 512  # the benchmarks' prompt; attention cost per token grows with it
 _BLOCK_SIZE = 16
 _CALLS = 3
+
+
+def resolve_attention_backend(choice: str, device: torch.device) -> str:
+    """The backend that runs for ``choice`` (auto | torch | triton) on ``device``: 'torch' or 'triton'.
+
+    auto picks triton on CUDA (torch, with a warning, when Triton is not installed) and torch on
+    CPU. An explicit 'triton' that cannot run raises ValueError rather than silently degrading.
+    """
+    if choice == "torch":
+        return "torch"
+    if choice == "triton":
+        check_triton_usable(device)
+        return "triton"
+    assert choice == "auto", choice
+    if device.type != "cuda":
+        return "torch"
+    if not triton_available():
+        logger.warning("Triton is not installed: using the (slower) torch attention backend on CUDA")
+        return "torch"
+    return "triton"
 
 
 def choose_prefill_attention(

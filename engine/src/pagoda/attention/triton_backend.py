@@ -16,76 +16,12 @@ merely importing the engine: CPU-only installs never touch Triton.
 
 from __future__ import annotations
 
-import functools
-import importlib
-import logging
-import os
-from collections.abc import Callable
-from importlib.util import find_spec
-from typing import Any, Optional
+from typing import Optional
 
 import torch
+from torch import Tensor
 
-from pagoda.worker.attention import AttentionLayerSpec, AttentionMetadata
-
-logger = logging.getLogger(__name__)
-
-
-def triton_available() -> bool:
-    """Whether Triton and the kernels package can be imported (checked without importing them)."""
-    return find_spec("triton") is not None and find_spec("pagoda_kernels") is not None
-
-
-@functools.cache
-def load_kernel(module: str, name: str) -> Optional[Callable[..., Any]]:
-    """``pagoda_kernels.<module>.<name>``, or None when Triton is not installed (looked up once).
-
-    The fused layers (RMSNorm, rotary, SiluAndMul) call this on their CUDA path only, so CPU runs
-    never import Triton.
-    """
-    if not triton_available():
-        return None
-    return getattr(importlib.import_module(f"pagoda_kernels.{module}"), name)
-
-
-def check_triton_usable(device: torch.device) -> None:
-    """Raise ValueError when the Triton backend cannot run on ``device``.
-
-    On CPU the kernels only run in Triton's interpreter, which is slow and meant for tests, so it
-    must be asked for explicitly with ``TRITON_INTERPRET=1`` (set before the kernels are imported).
-    """
-    if not triton_available():
-        raise ValueError(
-            "attention_backend 'triton' needs the triton and pagoda-kernels packages; install them "
-            "(pip install ./kernels) or use attention_backend 'torch'"
-        )
-    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError(
-            "attention_backend 'triton' needs a CUDA device; on CPU use 'torch' (or 'auto'). "
-            "Running the kernels on CPU in Triton's interpreter (TRITON_INTERPRET=1) is for tests only"
-        )
-    if device.type not in ("cpu", "cuda"):
-        raise ValueError(f"attention_backend 'triton' runs on CUDA devices, not {device.type!r}")
-
-
-def resolve_attention_backend(choice: str, device: torch.device) -> str:
-    """The backend that runs for ``choice`` (auto | torch | triton) on ``device``: 'torch' or 'triton'.
-
-    auto picks triton on CUDA (torch, with a warning, when Triton is not installed) and torch on
-    CPU. An explicit 'triton' that cannot run raises ValueError rather than silently degrading.
-    """
-    if choice == "torch":
-        return "torch"
-    if choice == "triton":
-        check_triton_usable(device)
-        return "triton"
-    assert choice == "auto", choice
-    if device.type != "cuda":
-        return "torch"
-    if not triton_available():
-        logger.warning("Triton is not installed: using the (slower) torch attention backend on CUDA")
-        return "torch"
-    return "triton"
+from pagoda.attention.protocol import AttentionLayerSpec, AttentionMetadata
 
 
 class TritonAttentionBackend:
@@ -139,17 +75,11 @@ class TritonAttentionBackend:
         }
 
     def forward(
-        self,
-        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-        v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
-        meta: AttentionMetadata,
-        spec: AttentionLayerSpec,
-    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        """Write this step's K/V (slots < 0 are skipped), then attend over each request's context. An fp8 cache
-        (its dtype says so) gets and gives codes through the layer's k_scale / v_scale: plain floats, so a captured
-        CUDA graph holds them as launch arguments."""
+        self, q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor, meta: AttentionMetadata, spec: AttentionLayerSpec
+    ) -> Tensor:
+        """:meth:`AttentionBackend.forward` (shapes there): write this step's K/V (slots < 0 are skipped), then attend
+        over each request's context. An fp8 cache (its dtype says so) gets and gives codes through the layer's
+        k_scale / v_scale: plain floats, so a captured CUDA graph holds them as launch arguments."""
         state = meta.backend_state
         self._write_kv(k, v, kv_cache, meta.slot_mapping, spec.k_scale, spec.v_scale)
         out = torch.empty_like(q)

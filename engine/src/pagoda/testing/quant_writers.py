@@ -309,7 +309,7 @@ def _quantization_config(opts: _Options) -> dict:
             "true_sequential": True,
             "damp_percent": 0.01,
             "damp_auto_increment": 0.0025,
-            "meta": {"quantizer": ["pagoda.quantization.writers (round to nearest)"]},
+            "meta": {"quantizer": ["pagoda.testing.quant_writers (round to nearest)"]},
         }
     fp8 = {"num_bits": 8, "type": "float", "symmetric": True, "group_size": None, "dynamic": False}
     if opts.fp8_static_activations:

@@ -9,31 +9,22 @@ import threading
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from pathlib import Path
 from typing import Optional
 
 import torch
 
-from pagoda.model_config import ModelConfig
+from pagoda.worker.worker_config import WorkerConfig
 
 logger = logging.getLogger(__name__)
 
-# What rank 0 may ask of a worker (each runs the same collectives on every rank, in the same order).
-WORKER_METHODS = frozenset({"run_forward", "allocate_kv_cache", "measure_kv_blocks", "capture_cuda_graphs"})
 _PARENT_POLL_S = 1.0
 
 
 @dataclass(frozen=True)
 class WorkerSpec:
-    """Everything a worker process needs to build its part of the model (pickled to the spawned process)."""
+    """Everything a worker process needs to build its rank (pickled to the spawned process)."""
 
-    model_config: ModelConfig
-    model_path: str
-    dtype: torch.dtype
-    device_type: str  # cpu | cuda (rank r uses cuda:r)
-    attention_backend: str
-    quantization: Optional[str]
-    kv_cache_dtype: str
+    worker: WorkerConfig  # the model, dtype, device kind, backend: the same on every rank
     world_size: int
     init_method: str  # tcp://127.0.0.1:<port>, rank 0's rendezvous
     shm_path: Optional[str]  # CPU: the shared-memory segment rank 0 created for the collectives (None: gloo only)
@@ -42,13 +33,6 @@ class WorkerSpec:
     num_threads: int  # torch intra-op threads of each rank on CPU
     log_level: int
     parent_pid: int  # rank 0's process: the worker exits when it is gone
-
-
-def device_for_rank(device_type: str, rank: int) -> torch.device:
-    if device_type == "cuda":
-        torch.cuda.set_device(rank)
-        return torch.device("cuda", rank)
-    return torch.device("cpu")
 
 
 def run_worker(spec: WorkerSpec, rank: int, commands: Connection) -> None:
@@ -73,31 +57,19 @@ def _serve(spec: WorkerSpec, rank: int, commands: Connection) -> None:
 
     from pagoda.distributed.parallel import init_tensor_parallel
     from pagoda.distributed.shm_comm import ShmCommunicator
-    from pagoda.worker.model_runner import ModelRunner
+    from pagoda.worker.worker import COLLECTIVE_METHODS, Worker, device_for_rank
 
     # tqdm's default lock is a multiprocessing semaphore, which a worker ended by os._exit would leak.
     tqdm.set_lock(threading.RLock())
-    if spec.device_type == "cpu":
-        from pagoda.cpu import keep_freed_memory
-
-        keep_freed_memory()  # as rank 0 does: per-step tensors reuse pages
+    if spec.worker.device_type == "cpu":
         torch.set_num_threads(spec.num_threads)
-    device = device_for_rank(spec.device_type, rank)
+    device = device_for_rank(spec.worker.device_type, rank)
     shm = None
     if spec.shm_path is not None:
         shm = ShmCommunicator(spec.shm_path, rank, spec.world_size, spec.timeout_s, spec.shm_slot_bytes)
     commands.send_bytes(b"joining")  # rank 0 joins the rendezvous once every worker is this far
     tp = init_tensor_parallel(rank, spec.world_size, spec.init_method, device, spec.timeout_s, shm)
-    runner = ModelRunner(
-        spec.model_config,
-        Path(spec.model_path),
-        spec.dtype,
-        device,
-        spec.attention_backend,
-        quantization=spec.quantization,
-        tp=tp,
-        kv_cache_dtype=spec.kv_cache_dtype,
-    )
+    worker = Worker(spec.worker, device, tp)
     logger.info("rank %d loaded its shard", rank)
     commands.send_bytes(b"ready")  # rank 0 waits for every worker before its first collective
     while True:
@@ -108,8 +80,8 @@ def _serve(spec: WorkerSpec, rank: int, commands: Connection) -> None:
         if command is None:
             break
         method, args = command
-        assert method in WORKER_METHODS, method
-        getattr(runner, method)(*args)
+        assert method in COLLECTIVE_METHODS, method
+        getattr(worker, method)(*args)
     dist.destroy_process_group()
 
 

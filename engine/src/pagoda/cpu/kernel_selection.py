@@ -6,7 +6,7 @@ kernels of :mod:`pagoda.cpu`; ``onednn``: a oneDNN-prepacked weight, AMX where p
 uses (1, 8 and 32 decodes, a prefill chunk) and keeps:
 
 - one candidate, when it is fastest or within :data:`TOLERANCE` of the fastest at every row count;
-- otherwise two, split at a measured crossover row count (:class:`~pagoda.layers.linear_kernels.RowDispatchLinear`
+- otherwise two, split at a measured crossover row count (:class:`~pagoda.layers.cpu_linear.RowDispatchLinear`
   holds both copies of the weight and picks by ``x.shape[0]``).
 
 Every candidate that stock PyTorch would use is among those timed, so a chosen kernel is never slower than stock

@@ -1,7 +1,7 @@
 """Rank 0's side of tensor parallelism: start the worker processes, send each step to them, watch them.
 
 The engine process is rank 0: it keeps the scheduler, the KV-cache manager and the sampler and runs its own
-shard of the model. Ranks 1..N-1 are spawned processes (:mod:`pagoda.distributed.worker`). A step's plan reaches
+shard of the model. Ranks 1..N-1 are spawned processes (:mod:`pagoda.executor.worker_process`). A step's plan reaches
 them as one pickled message on a pipe per worker (measured against a gloo ``broadcast_object_list`` in
 ``benchmarks/tp_compare.py``: the pipe is faster and, unlike a collective, may wait without a timeout while the
 server idles); tensors move only in the model's collectives. A worker that dies is reported by the watchdog (which
@@ -23,14 +23,16 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 from multiprocessing.connection import Connection, wait
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 
 from pagoda.distributed.errors import WorkerDiedError
 from pagoda.distributed.parallel import TensorParallel, init_tensor_parallel
 from pagoda.distributed.shm_comm import ShmCommunicator, segment_path, shared_memory_enabled, slot_bytes_for
-from pagoda.distributed.worker import WorkerSpec, device_for_rank, run_worker
+from pagoda.executor.worker_process import WorkerSpec, run_worker
+from pagoda.worker.worker import device_for_rank
+from pagoda.worker.worker_config import WorkerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +64,7 @@ class WorkerGroup:
             self._pipes.append(ours)
         # This process is rank 0: on CPU it gets its share of the cores too (given back at shutdown).
         self._threads_before = torch.get_num_threads()
-        if spec.device_type == "cpu":
+        if spec.worker.device_type == "cpu":
             torch.set_num_threads(spec.num_threads)
         self.error: Optional[WorkerDiedError] = None
         self._listeners: list[Callable[[BaseException], None]] = []
@@ -212,31 +214,15 @@ class WorkerGroup:
                 logger.exception("a worker-death listener failed")
 
 
-def worker_spec(
-    model_config: Any,
-    model_path: str,
-    dtype: torch.dtype,
-    device: torch.device,
-    attention_backend: str,
-    quantization: Optional[str],
-    kv_cache_dtype: str,
-    world_size: int,
-    timeout_s: float,
-    largest_collective_bytes: int,
-) -> WorkerSpec:
+def worker_spec(worker: WorkerConfig, world_size: int, timeout_s: float, largest_collective_bytes: int) -> WorkerSpec:
     """The spec every worker starts from: a fresh loopback rendezvous port, each rank's share of the cores, and
     on CPU a shared-memory segment whose slots hold ``largest_collective_bytes``."""
+    cpu = worker.device_type == "cpu"
     return WorkerSpec(
-        model_config=model_config,
-        model_path=model_path,
-        dtype=dtype,
-        device_type=device.type,
-        attention_backend=attention_backend,
-        quantization=quantization,
-        kv_cache_dtype=kv_cache_dtype,
+        worker=worker,
         world_size=world_size,
         init_method=f"tcp://127.0.0.1:{_free_port()}",
-        shm_path=segment_path() if device.type == "cpu" and shared_memory_enabled() else None,
+        shm_path=segment_path() if cpu and shared_memory_enabled() else None,
         shm_slot_bytes=slot_bytes_for(largest_collective_bytes),
         timeout_s=timeout_s,
         num_threads=cpu_threads_per_rank(world_size),

@@ -1,0 +1,130 @@
+"""Everything an engine derives from its arguments, resolved and checked once before any weight is read.
+
+``resolve_engine_config`` downloads a remote model (or finds it in the cache), reads its ``config.json`` and
+quantization config, picks device, dtype, context length and attention backend, and refuses contradictions (a
+quantization the checkpoint or the device cannot run, a model tensor parallelism cannot split) in seconds, not
+after minutes of loading. The result hands each layer below the part it needs: the scheduler its limits, the
+executor its parallel and cache settings, every rank's worker its :class:`WorkerConfig`.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from pagoda.attention.choice import resolve_attention_backend
+from pagoda.config import EngineArgs, SchedulerConfig, check_quantization_tensor_parallel
+from pagoda.distributed.parallel import check_shardable
+from pagoda.executor import CacheConfig, ParallelConfig
+from pagoda.layers.linear_kernels import validate_quantization
+from pagoda.model_config import ModelConfig, resolve_dtype
+from pagoda.quantization.loading import quant_config_for
+from pagoda.worker.worker_config import LoRASlotConfig, WorkerConfig
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The resolved configuration of one engine (``args`` with local paths)."""
+
+    args: EngineArgs
+    model_path: Path
+    model_config: ModelConfig
+    device: torch.device
+    dtype: torch.dtype
+    max_model_len: int
+    attention_backend: str  # resolved: torch | triton
+    scheduler: SchedulerConfig
+
+    @property
+    def worker(self) -> WorkerConfig:
+        slots = self.args.lora_slots
+        lora = LoRASlotConfig(slots, self.args.max_lora_rank) if slots else None
+        return WorkerConfig(
+            model_config=self.model_config,
+            model_path=self.model_path,
+            dtype=self.dtype,
+            device_type=self.device.type,
+            attention_backend=self.attention_backend,
+            quantization=self.args.quantization,
+            kv_cache_dtype=self.args.kv_cache_dtype,
+            lora=lora,
+        )
+
+    @property
+    def parallel(self) -> ParallelConfig:
+        size = self.args.tensor_parallel_size
+        # The largest collectives: a full chunk's all-reduce, and the logits gather of a full decode batch.
+        element = torch.tensor([], dtype=self.dtype).element_size()
+        all_reduce = self.scheduler.max_num_batched_tokens * self.model_config.hidden_size * element
+        gather = self.scheduler.max_num_seqs * -(-self.model_config.vocab_size // size) * 4
+        return ParallelConfig(size, self.args.distributed_timeout_seconds, max(all_reduce, gather))
+
+    @property
+    def cache(self) -> CacheConfig:
+        args = self.args
+        return CacheConfig(
+            block_size=args.block_size,
+            max_model_len=self.max_model_len,
+            max_num_seqs=self.scheduler.max_num_seqs,
+            max_num_batched_tokens=self.scheduler.max_num_batched_tokens,
+            kv_cache_memory=args.kv_cache_memory,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            enforce_eager=args.enforce_eager,
+        )
+
+
+def resolve_engine_config(args: EngineArgs) -> EngineConfig:
+    """Validate ``args``, fetch the model if it is remote, and derive everything the engine runs with."""
+    args.validate()
+    args = args.with_local_paths()
+    model_path = Path(args.model)
+    model_config = ModelConfig.from_model_dir(model_path)
+    device = resolve_device(args.device)
+    # A flag the checkpoint contradicts, or a method this device lacks, fails before minutes of weight loading.
+    quant = quant_config_for(model_path, args.quantization)
+    validate_quantization(quant.method if quant is not None else None, device)
+    if quant is not None:
+        check_quantization_tensor_parallel(quant.method, args.tensor_parallel_size, quant.serialized)
+    if args.tensor_parallel_size > 1:
+        check_shardable(model_config, args.tensor_parallel_size)  # before any process starts
+    dtype = resolve_dtype(args.dtype, model_config, device)
+    if quant is not None and device.type == "cpu" and args.dtype == "auto" and dtype == torch.float16:
+        # AWQ/GPTQ checkpoints are mostly float16; the CPU's quantized kernels take bfloat16 activations.
+        logger.info("quantized float16 checkpoint on CPU: running in bfloat16 (pass --dtype to override)")
+        dtype = torch.bfloat16
+    max_model_len = resolve_max_model_len(args.max_model_len, model_config)
+    backend = resolve_attention_backend(args.attention_backend, device)
+    logger.info("attention backend: %s (%s)", backend, args.attention_backend)
+    return EngineConfig(
+        args=args,
+        model_path=model_path,
+        model_config=model_config,
+        device=device,
+        dtype=dtype,
+        max_model_len=max_model_len,
+        attention_backend=backend,
+        scheduler=SchedulerConfig.from_args(args, max_model_len),
+    )
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' was requested but no CUDA device is available")
+    return torch.device(device)
+
+
+def resolve_max_model_len(requested: Optional[int], config: ModelConfig) -> int:
+    limit = config.max_position_embeddings
+    if requested is None:
+        return limit
+    if requested > limit:
+        raise ValueError(f"max_model_len={requested} is larger than the model's max_position_embeddings={limit}")
+    return requested
