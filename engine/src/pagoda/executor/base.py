@@ -25,11 +25,12 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class ParallelConfig:
-    """How many tensor-parallel ranks, and how long a collective waits for a slow one."""
+    """How many tensor-parallel ranks, and how long a collective waits for a slow one (the defaults are
+    :class:`~pagoda.config.EngineArgs`'s; :class:`~pagoda.engine.engine_config.EngineConfig` fills every field)."""
 
-    tensor_parallel_size: int = 1
-    timeout_s: float = 60.0
-    largest_collective_bytes: int = 0  # what one rank's shared-memory slot must hold (CPU)
+    tensor_parallel_size: int
+    timeout_s: float  # --distributed-timeout-seconds
+    largest_collective_bytes: int  # what one rank's shared-memory slot must hold (CPU)
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,9 +41,9 @@ class CacheConfig:
     max_model_len: int
     max_num_seqs: int
     max_num_batched_tokens: int
-    kv_cache_memory: Optional[int] = None  # CPU budget in bytes (None: what max_num_seqs full sequences use, <= 4 GiB)
-    gpu_memory_utilization: float = 0.92
-    enforce_eager: bool = False  # no CUDA graphs
+    kv_cache_memory: Optional[int]  # CPU budget in bytes (None: what max_num_seqs full sequences use, <= 4 GiB)
+    gpu_memory_utilization: float
+    enforce_eager: bool  # no CUDA graphs
 
 
 class Executor(ABC):
