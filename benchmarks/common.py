@@ -22,7 +22,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 # Checkpoints, logs and JSON results of the benchmarks (git ignores it).
 BENCH_DIR = REPO_ROOT / ".bench"
 # The Qwen3-shaped checkpoint every benchmark that runs it shares (built once).
-QWEN3_SHAPE_DIR = BENCH_DIR / "qwen3-0.6b-shape"
+QWEN3_SHAPE_NAME = "qwen3-0.6b-shape"  # the folder of the Qwen3-0.6B-shaped checkpoint under a bench dir
+QWEN3_SHAPE_DIR = BENCH_DIR / QWEN3_SHAPE_NAME
 
 # Real Qwen3-0.6B dimensions: config.json fields for transformers' Qwen3Config; only the weights are random.
 QWEN3_SHAPE: dict = json.loads((Path(__file__).resolve().parent / "qwen3_shape.json").read_text())

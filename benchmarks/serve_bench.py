@@ -28,6 +28,9 @@ import aiohttp
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (  # noqa: E402 (the benchmarks folder is not a package)
+    BENCH_DIR,
+    QWEN3_SHAPE_NAME,
+    REPO_ROOT,
     ensure_qwen3_shape_checkpoint,
     format_table,
     log,
@@ -47,7 +50,6 @@ from serve_common import (  # noqa: E402
     summarize,
 )
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 HITS, QUERIES = "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"
 PREFIX_SUFFIX_LEN = 16
 PREFIX_OUTPUT_LEN = 8
@@ -96,7 +98,7 @@ def model_specs(bench_dir: Path) -> dict[str, ModelSpec]:
     qwen3 = ModelSpec(
         key="qwen3",
         label="Qwen3-0.6B shape, random bf16",
-        serve_args=(str(bench_dir / "qwen3-0.6b-shape"), "--dtype", "bfloat16", "--max-model-len", "4096"),
+        serve_args=(str(bench_dir / QWEN3_SHAPE_NAME), "--dtype", "bfloat16", "--max-model-len", "4096"),
         vocab_size=151936,
         prompt_len=64,
         output_len=16,
@@ -271,7 +273,7 @@ async def bench_model(spec: ModelSpec, args: argparse.Namespace) -> dict:
     server = None
     if args.base_url is None:
         if spec.key == "qwen3":
-            ensure_qwen3_shape_checkpoint(args.bench_dir / "qwen3-0.6b-shape")
+            ensure_qwen3_shape_checkpoint(args.bench_dir / QWEN3_SHAPE_NAME)
         server = await start_server(spec, args.bench_dir, extra_args=tuple(args.serve_arg), engine_src=args.engine_src)
     base_url = server.base_url if server else args.base_url
     try:
@@ -334,7 +336,7 @@ def server_parser(description: str, models: str, bench_dir_help: str) -> argpars
     ``models``), ``--bench-dir``, ``--serve-arg`` and ``--engine-src``; the caller adds its own."""
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default=models, help="comma-separated: stories, qwen3")
-    parser.add_argument("--bench-dir", type=Path, default=REPO_ROOT / ".bench", help=bench_dir_help)
+    parser.add_argument("--bench-dir", type=Path, default=BENCH_DIR, help=bench_dir_help)
     parser.add_argument(
         "--serve-arg", action="append", default=[], help="an extra `pagoda serve` flag (repeatable; '=' form)"
     )

@@ -26,8 +26,16 @@ import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import ensure_qwen3_shape_checkpoint, format_table, log, machine_facts, percentile  # noqa: E402
-from serve_bench import REPO_ROOT, model_specs, parse_server_args, server_parser, start_server  # noqa: E402
+from common import (  # noqa: E402
+    QWEN3_SHAPE_NAME,
+    REPO_ROOT,
+    ensure_qwen3_shape_checkpoint,
+    format_table,
+    log,
+    machine_facts,
+    percentile,
+)
+from serve_bench import model_specs, parse_server_args, server_parser, start_server  # noqa: E402
 from serve_common import HTTP_TIMEOUT  # noqa: E402
 
 
@@ -150,7 +158,7 @@ async def run_phase(name: str, url: str, model: str, args: argparse.Namespace, a
 async def bench_model(key: str, args: argparse.Namespace) -> list[Phase]:
     spec = model_specs(args.bench_dir)[key]
     if key == "qwen3":
-        ensure_qwen3_shape_checkpoint(args.bench_dir / "qwen3-0.6b-shape")
+        ensure_qwen3_shape_checkpoint(args.bench_dir / QWEN3_SHAPE_NAME)
     server = await start_server(
         spec, args.bench_dir, extra_args=tuple(args.serve_arg), engine_src=args.engine_src, name="serve_isolation"
     )

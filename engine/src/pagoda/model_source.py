@@ -40,8 +40,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
-from tqdm.auto import tqdm
-
 if TYPE_CHECKING:
     import botocore.exceptions
 
@@ -286,7 +284,8 @@ def download_s3(source: ModelSource, root: Path, offline: bool, marker: str = "c
 
 
 def _download(source: ModelSource, folder: Path, url: str, marker: str) -> None:
-    import boto3
+    import boto3  # boto3 and tqdm are imported only for S3 models: every `pagoda` command imports this module
+    from tqdm.auto import tqdm
 
     client = boto3.client("s3")
     objects = _list(client, source)

@@ -29,6 +29,7 @@ from fastapi.responses import JSONResponse, Response
 
 from pagoda.engine.async_engine import AsyncLLMEngine
 from pagoda.engine.llm_engine import LLMEngine
+from pagoda.entrypoints.openai.asgi import HTTPMiddleware
 from pagoda.entrypoints.openai.auth import DEFAULT_EXEMPT_PATHS, ApiKeyMiddleware
 from pagoda.entrypoints.openai.defaults import ServerConfig
 from pagoda.entrypoints.openai.errors import install_error_handlers, not_found_model, service_unavailable
@@ -174,17 +175,17 @@ class ServerState:
         return self.serving
 
 
-class _InFlight:
+class _InFlight(HTTPMiddleware):
     """Counts API requests until their response (streamed or not) is fully sent."""
 
     def __init__(self, app, state: ServerState) -> None:
-        self.app = app
+        super().__init__(app)
         self.state = state
 
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or not scope["path"].startswith(_TRACKED_PREFIXES):
-            await self.app(scope, receive, send)
-            return
+    def applies_to(self, scope) -> bool:
+        return scope["path"].startswith(_TRACKED_PREFIXES)
+
+    async def handle(self, scope, receive, send) -> None:
         self.state.in_flight += 1
         try:
             await self.app(scope, receive, send)

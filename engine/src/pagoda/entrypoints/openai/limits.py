@@ -2,8 +2,9 @@
 
 Each limit is a ``pagoda serve`` flag (a field of :class:`~pagoda.entrypoints.openai.defaults.ServerLimits`). The
 checks run on the parsed body on the event loop and cost O(number of list items), never O(text length) beyond
-``len()``: a 20 MB prompt is refused in microseconds, before it reaches a tokenizer. Admission then counts the sequences a request adds (prompts x n) against
-``--max-num-queued-requests`` in one step, with no ``await`` between the check and the reservation.
+``len()``: a 20 MB prompt is refused in microseconds, before it reaches a tokenizer. Admission then counts the
+sequences a request adds (prompts x n) against ``--max-num-queued-requests`` in one step, with no ``await`` between
+the check and the reservation.
 """
 
 from __future__ import annotations
