@@ -22,7 +22,7 @@ element for element; products accumulate in float32.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Protocol
 
 import torch
@@ -44,18 +44,29 @@ class PackedIntWeight:
     group_size: int
     bits: int
     in_features: int
+    # This weight as :func:`pagoda_kernels.quant_gemm.launch_gemm` hands it to the kernel: built once here, not on
+    # every call (a GEMM call is on the decode path of every quantized layer).
+    gemm: GemmWeight = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        granule = self.group_size if self.scales.shape[0] > 1 else 0  # one group: any K tile lies in it
+        gemm = GemmWeight(
+            INT_WEIGHT,
+            self.qweight,
+            self.scales,
+            self.out_features,
+            self.in_features,
+            self.bits,
+            self.zeros,
+            self.perm,
+            self.group_size,
+            granule,
+        )
+        object.__setattr__(self, "gemm", gemm)
 
     @property
     def out_features(self) -> int:
         return self.qweight.shape[1]
-
-    def gemm_weight(self) -> GemmWeight:
-        """This weight as :func:`pagoda_kernels.quant_gemm.launch_gemm` hands it to the kernel."""
-        granule = self.group_size if self.scales.shape[0] > 1 else 0  # one group: any K tile lies in it
-        n, k = self.out_features, self.in_features
-        return GemmWeight(
-            INT_WEIGHT, self.qweight, self.scales, n, k, self.bits, self.zeros, self.perm, self.group_size, granule
-        )
 
 
 def _exact_scales(scales: torch.Tensor) -> torch.Tensor:
@@ -116,7 +127,7 @@ def int_gemm(
     """x [..., K] (float16, bfloat16 or float32) -> [..., N] in x's dtype (float32 rounded through x's dtype with
     ``float_output``). ``config``: tiles to use instead of
     :func:`pagoda_kernels.gemm_tiles.gemm_config`'s (tests). Never syncs."""
-    return launch_gemm(x, weight.gemm_weight(), bias, float_output, config)
+    return launch_gemm(x, weight.gemm, bias, float_output, config)
 
 
 class DequantizableWeight(Protocol):
