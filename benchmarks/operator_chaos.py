@@ -233,6 +233,7 @@ async def run(bench: Bench, args: argparse.Namespace, work: Path) -> dict[str, A
             await asyncio.sleep(args.settle_seconds)  # the controller-manager finishes the last rollouts
             out["quiet"] = await steady_state(api, operator, args.quiet_seconds)
             await converger.converged()
+            out["final"] = converger.counts  # the objects at the end: after the quiet window
             out["violations after quiet"] = converger.problems
         finally:
             stop.set()

@@ -127,7 +127,7 @@ async def _hand_replicas_to_autoscaler(kube: KubeClient, owner: Owner, replicas:
 async def _apply_deployment(
     kube: KubeClient, body: Mapping[str, Any], spec: ModelDeploymentSpec, owner: Owner, deployment: dict[str, Any]
 ) -> None:
-    """The Deployment (``deployment``: built with ``spec.replicas``), with its replicas when autoscaling is off.
+    """The Deployment (``deployment``: with ``spec.replicas`` when autoscaling is off, without replicas when it is on).
     Turning autoscaling on keeps the live count: the autoscaler's manager takes the field over before the operator's
     apply leaves it out (an apply that omits a field it alone owned would remove it, and the Deployment would drop
     to 1 replica)."""
@@ -135,16 +135,15 @@ async def _apply_deployment(
         await _ensure(kube, body, deployment)
         return
     live = await kube.get(child_path("Deployment", owner))
-    without_replicas = build_deployment(spec, owner, include_replicas=False)
     if live is None:  # created at minReplicas
-        await _ensure(kube, body, deployment, live=None)
+        await _ensure(kube, body, build_deployment(spec, owner, include_replicas=True), live=None)
         await _hand_replicas_to_autoscaler(kube, owner, spec.autoscaling.min_replicas)
-        await kube.apply(without_replicas)  # the operator lets go of replicas
+        await kube.apply(deployment)  # the operator lets go of replicas
     elif owns_replicas(live, FIELD_MANAGER):  # autoscaling was just switched on
         await _hand_replicas_to_autoscaler(kube, owner, int((live.get("spec") or {}).get("replicas", 1)))
-        await _ensure(kube, body, without_replicas, force=True, live=live)
+        await _ensure(kube, body, deployment, force=True, live=live)
     else:
-        await _ensure(kube, body, without_replicas, live=live)
+        await _ensure(kube, body, deployment, live=live)
 
 
 async def _delete_child(kube: KubeClient, body: Mapping[str, Any], kind: str, owner: Owner) -> None:
@@ -157,7 +156,8 @@ async def _delete_child(kube: KubeClient, body: Mapping[str, Any], kind: str, ow
 async def apply_children(kube: KubeClient, body: Mapping[str, Any], spec: ModelDeploymentSpec, owner: Owner) -> None:
     """Create or re-apply the adapter list, Deployment, Service, HPA and disruption budget; delete the ones no longer
     wanted."""
-    children = build_children(spec, owner, include_replicas=True)
+    # with autoscaling on, the operator's apply leaves replicas to the autoscaler (built once per pass)
+    children = build_children(spec, owner, include_replicas=not spec.autoscaling.enabled)
     config_map, deployment, service = children["ConfigMap"], children["Deployment"], children["Service"]
     assert deployment is not None and service is not None  # every spec has these two
     if config_map is not None:
