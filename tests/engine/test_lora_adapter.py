@@ -98,6 +98,30 @@ def test_embedding_targets_missing_halves_and_foreign_shapes_are_refused(adapter
         load_adapter("bad", adapter_dir, wider, 16, torch.float32)
 
 
+@pytest.mark.parametrize(
+    ("config", "poison", "message"),
+    [
+        ({}, float("nan"), "layers.0.mlp.down_proj slice 0 has NaN or Inf in lora_A"),
+        ({}, float("inf"), "layers.0.mlp.down_proj slice 0 has NaN or Inf in lora_A"),
+        ({"lora_alpha": 1e308}, None, r"has NaN or Inf in lora_B scaled by 1.25e\+307"),  # finite, overflows fp32
+        ({"lora_alpha": float("inf")}, None, "gives a scaling that is not finite"),
+        ({"lora_alpha": float("nan")}, None, "gives a scaling that is not finite"),
+    ],
+)
+def test_weights_or_scaling_that_are_not_finite_are_refused_at_load(adapter_dir, tmp_path, config, poison, message):
+    """Loaded, such an adapter would turn every token of every request on it into NaN (a 500 each time)."""
+
+    def poisoned(weights):
+        key = "base_model.model.model.layers.0.mlp.down_proj.lora_A.weight"
+        weights[key] = weights[key].clone()
+        weights[key][0, 0] = poison
+        return weights
+
+    edited = copy_with(adapter_dir, tmp_path, config, tensors=poisoned if poison is not None else None)
+    with pytest.raises(LoRAAdapterError, match=message):
+        load_adapter("poisoned", edited, TARGETS, 16, torch.float32)
+
+
 def test_pickle_weights_are_refused_and_a_folder_without_an_adapter_is_named(adapter_dir, tmp_path) -> None:
     (tmp_path / "adapter_config.json").write_text((adapter_dir / "adapter_config.json").read_text())
     (tmp_path / "adapter_model.bin").write_bytes(b"\x80\x04")

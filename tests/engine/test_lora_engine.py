@@ -176,7 +176,9 @@ def test_adapters_dropped_from_host_memory_are_read_again_and_a_vanished_one_fai
         finals.update({o.request_id: o for o in engine.step() if o.finished})
     assert finals["r0"].outputs[0].token_ids == case.expected[0][0]  # read again from its folder
     assert finals["r2"].outputs[0].token_ids == case.expected[2][0]
-    assert "could not be read again" in finals["r1"].error
+    # The request is told the adapter is unavailable (a 503 at the server), the registry keeps why for the status.
+    assert "'a1' is unavailable" in finals["r1"].error and finals["r1"].error_unavailable
+    assert "could not be read again" in engine.lora.read_error("a1")
 
 
 def test_an_adapter_in_a_slot_runs_from_the_slot_even_after_host_memory_dropped_it(case, tmp_path) -> None:

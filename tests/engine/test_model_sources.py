@@ -5,6 +5,7 @@ Every failure is one line naming the model and the cause, on stderr and in the t
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import socket
@@ -22,6 +23,8 @@ from moto.server import ThreadedMotoServer
 from server_helpers import start_server
 
 from pagoda.config import builtin_model_path
+from pagoda.loader import safetensors_files
+from pagoda.model_source import confined_path, resolve_model
 
 pytestmark = pytest.mark.slow  # real processes: downloads, servers
 
@@ -312,3 +315,70 @@ def test_s3_downloads_resume_file_by_file_and_share_a_cache_safely(s3, tmp_path)
     assert {name: (folder / name).stat().st_mtime_ns for name in kept} == kept
     assert digest(folder) == expected_digest()
     shutil.rmtree(tmp_path / "cache")
+
+
+# ---- remote names never leave their folder ----------------------------------------------------------------------
+
+
+def test_confined_path_keeps_a_remote_name_inside_its_folder(tmp_path) -> None:
+    root = tmp_path / "root"
+    (root / "sub").mkdir(parents=True)
+    (root / "elsewhere").symlink_to(tmp_path)  # a symlink on the way counts where it leads
+    assert confined_path(root, "sub/config.json") == root / "sub" / "config.json"
+    for name in ("../x", "sub/../../x", "/etc/passwd", "elsewhere/x"):
+        with pytest.raises(ValueError, match="leads outside"):
+            confined_path(root, name)
+    # A Hugging Face snapshot's files are symlinks into its blobs by design: there only the name itself is checked.
+    assert confined_path(root, "elsewhere", resolve=False) == root / "elsewhere"
+    for name in ("../x.safetensors", "/abs.safetensors", "./x", "a\\..\\..\\x", ""):
+        with pytest.raises(ValueError, match="not a plain relative name"):
+            confined_path(root, name, resolve=False)
+
+
+@pytest.mark.parametrize(
+    "url", ["s3://models/../../../../pwned", "s3://models/stories/../../../../../pwned", "s3://../pwned", "s3://m/./x"]
+)
+def test_an_s3_url_with_dot_segments_is_refused_before_anything_is_written(s3, tmp_path, url: str) -> None:
+    result = pagoda("download", url, env=s3_env(s3, tmp_path))
+    assert result.returncode == 2 and "may not hold '.' or '..' path segments" in result.stderr, result.stderr
+    # The cache folder would have been <cache>/models/s3/models/<prefix>: '..' four times up is tmp_path itself.
+    assert not (tmp_path / "pwned").exists() and not (tmp_path / "cache").exists()
+
+
+def test_a_revision_with_dot_dot_segments_is_refused(tmp_path) -> None:
+    with pytest.raises(ValueError, match="may not hold"):
+        resolve_model(REPO, revision="../../../../pwned", download_dir=str(tmp_path), offline=True)
+
+
+def test_a_hostile_s3_listing_cannot_place_files_outside_the_model_folder(s3, tmp_path) -> None:
+    client = boto3.client("s3", endpoint_url=s3, **{k.lower(): v for k, v in S3_ENV.items() if "KEY" in k})
+    client.create_bucket(Bucket="hostile")
+    for name, content in model_files().items():
+        client.put_object(Bucket="hostile", Key=f"stories/{name}", Body=content)
+    for key in ("stories/../../../../../escaped.safetensors", "stories//escaped.safetensors", "stories/..", "/x.json"):
+        client.put_object(Bucket="hostile", Key=key, Body=b"not a model file")
+    result = pagoda("download", "s3://hostile/stories", env=s3_env(s3, tmp_path))
+    assert result.returncode == 0, result.stderr
+    assert digest(Path(result.stdout.strip())) == expected_digest()
+    assert not list(tmp_path.rglob("*escaped*"))
+
+
+def test_a_symlink_in_the_cache_leading_elsewhere_is_refused(s3, tmp_path) -> None:
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (tmp_path / "cache" / "models" / "s3").mkdir(parents=True)
+    (tmp_path / "cache" / "models" / "s3" / "models").symlink_to(elsewhere)
+    result = pagoda("download", "s3://models/stories", env=s3_env(s3, tmp_path))
+    assert_fails_with(result, tmp_path, "ModelLoadFailed: model 's3://models/stories': the download folder would be")
+    assert not any(elsewhere.iterdir())
+
+
+def test_a_shard_index_naming_files_outside_the_checkpoint_is_refused(tmp_path) -> None:
+    outside = tmp_path / "outside.safetensors"
+    shutil.copy(builtin_model_path() / "model.safetensors", outside)
+    folder = tmp_path / "model"
+    shutil.copytree(builtin_model_path(), folder)
+    index = {"metadata": {}, "weight_map": {"tok_embeddings.weight": "../outside.safetensors"}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match="names a shard outside the checkpoint"):
+        safetensors_files(folder)

@@ -27,6 +27,7 @@ from pagoda_kernels.fp8_gemm import (
     fp8_w8a16_reference,
     quantize_fp8_rows,
     quantize_fp8_rows_reference,
+    rowwise_out_dtype,
 )
 from pagoda_kernels.gemm_tiles import GemmConfig
 from pagoda_kernels.int_gemm import int_gemm, int_gemm_reference, pack_int_weight, unpack_qweight
@@ -225,6 +226,33 @@ def test_fp8_scaled_mm_on_cpu(input_scale: Optional[float], rowwise: bool) -> No
     assert torch.equal(layer.float_output(x), ref.float())
 
 
+@pytest.mark.parametrize(
+    ("approved", "with_bias", "rowwise"),
+    [
+        ({torch.bfloat16}, True, False),  # the GEMM asks for float32 when a bias follows: bf16 approval is not enough
+        ({torch.bfloat16, torch.float32}, True, True),
+        ({torch.float32}, False, False),
+        ({torch.bfloat16}, False, True),
+    ],
+)
+def test_fp8_scaled_mm_goes_row_wise_only_into_an_output_dtype_the_probe_approved(
+    approved: set[torch.dtype], with_bias: bool, rowwise: bool
+) -> None:
+    """Fp8GpuLinear's choice, with the probe's answer given (no FP8 GPU here): row-wise scaling only where the load
+    time probe saw ``torch._scaled_mm`` take it into the very out_dtype the call will ask for."""
+    w = quantize_fp8_per_row(torch.randn(32, 32, generator=_gen(8)))
+    bias = _bias(32, torch.bfloat16) if with_bias else None
+    calls: list[bool] = []
+
+    def gemm(x, qweight, scales, input_scale, bias, rowwise):  # stands in for the FP8 tensor cores
+        calls.append(rowwise)
+        return fp8_scaled_mm(x, qweight, scales, input_scale, bias, rowwise)
+
+    layer = Fp8GpuLinear(w.qweight, w.scales, None, bias, frozenset(approved), "fp8-scaled-mm", gemm)
+    layer(_x(2, 32, torch.bfloat16))
+    assert calls == [rowwise]
+
+
 def test_triton_int_linear_matches_reference() -> None:
     w = _int_weight(N, 192, 64, 4, perm=True)
     bias = _bias(N, torch.bfloat16)
@@ -300,8 +328,8 @@ def test_fp8_scaled_mm_matches_reference(input_scale: Optional[float], rowwise: 
         pytest.skip("no FP8 tensor cores (compute capability < 8.9)")
     from pagoda_kernels.fp8_gemm import rowwise_scaled_mm_supported
 
-    if rowwise and not rowwise_scaled_mm_supported(torch.device("cuda"), torch.bfloat16):
-        pytest.skip("this torch build has no row-wise _scaled_mm")
+    if rowwise and not rowwise_scaled_mm_supported(torch.device("cuda"), rowwise_out_dtype(torch.bfloat16, True)):
+        pytest.skip("this torch build has no row-wise _scaled_mm into float32")
     w = _cuda_fp8_weight(2048, 1024, input_scale)
     x, bias = _x(37, 1024, torch.bfloat16).cuda(), _bias(2048, torch.bfloat16).cuda()
     y = fp8_scaled_mm(x, w.qweight, w.scales, w.input_scale, bias, rowwise)

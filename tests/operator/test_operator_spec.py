@@ -47,6 +47,20 @@ def test_malformed_sources_name_the_field(text: str) -> None:
 
 
 @pytest.mark.parametrize(
+    "source", ["s3://models/../../../../tmp/pwned", "s3://models/a/../b", "s3://models/./a", "s3://models/a/.."]
+)
+@pytest.mark.parametrize("where", ["model", "adapter"])
+def test_s3_sources_with_dot_segments_are_refused(source: str, where: str) -> None:
+    """The engine names its download folder after the URL: '..' would lead it out of the model cache."""
+    spec = {"model": {"source": source}} if where == "model" else {"loraAdapters": [{"name": "a", "source": source}]}
+    field = "spec.model.source" if where == "model" else "spec.loraAdapters[0].source"
+    with pytest.raises(InvalidSpec, match="may not hold '.' or '..' path segments") as error:
+        parse_spec(body(**spec))
+    assert error.value.field == field
+    assert parse_source("s3://models/a..b/c.d", field) == ModelSource("s3", "s3://models/a..b/c.d")
+
+
+@pytest.mark.parametrize(
     ("spec", "field"),
     [
         ({"autoscaling": {"enabled": True, "minReplicas": 3, "maxReplicas": 2}}, "spec.autoscaling.minReplicas"),

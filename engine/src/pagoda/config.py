@@ -162,6 +162,11 @@ class EngineArgs:
         "adapters kept loaded in host memory (default: max-loras); beyond it the least recently used is "
         "read again from disk when next needed",
     )
+    lora_read_timeout: float = option(
+        60.0,
+        "seconds an adapter's files may take to read (a hung NFS or FUSE mount); past it the load fails, or the "
+        "adapter's requests fail with 503 while the others go on",
+    )
     tensor_parallel_size: int = option(
         1,
         "split the model over this many devices (CPU: processes sharing the cores), one process each; it must "
@@ -246,6 +251,8 @@ class EngineArgs:
             raise ValueError(
                 f"max_lora_rank must be one of {', '.join(map(str, LORA_RANKS))}, got {self.max_lora_rank}"
             )
+        if not self.lora_read_timeout > 0:
+            raise ValueError(f"lora_read_timeout must be greater than 0, got {self.lora_read_timeout}")
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})")
 

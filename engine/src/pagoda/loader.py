@@ -18,6 +18,7 @@ from pagoda.config import check_quantization_tensor_parallel
 from pagoda.distributed.parallel import SINGLE, TensorParallel
 from pagoda.layers.linear import Linear, MergedLinear, linear_weights_on_meta, materialize_linear_weights
 from pagoda.model_config import ModelConfig
+from pagoda.model_source import confined_path
 from pagoda.models.registry import get_model_class
 from pagoda.models.weights import FUSED_MODULES
 from pagoda.quantization.config import QuantConfig
@@ -44,7 +45,10 @@ def safetensors_files(model_dir: Union[str, Path]) -> list[Path]:
             weight_map = json.loads(index.read_text())["weight_map"]
         except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
             raise ValueError(f"cannot read the shard index {str(index)!r}: {exc}") from exc
-        files = [path / name for name in sorted(set(weight_map.values()))]
+        try:  # the names come from the checkpoint (a Hub repo, an S3 prefix): each must be a file of this folder
+            files = [confined_path(path, name, resolve=False) for name in sorted(set(map(str, weight_map.values())))]
+        except ValueError as exc:
+            raise ValueError(f"{_INDEX_FILE} in {str(path)!r} names a shard outside the checkpoint: {exc}") from None
         absent = [f.name for f in files if not f.is_file()]
         if absent:
             raise ValueError(f"shard(s) listed in {_INDEX_FILE} are missing from {str(path)!r}: {', '.join(absent)}")

@@ -38,7 +38,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Optional, Union
 
 if TYPE_CHECKING:
     import botocore.exceptions
@@ -85,6 +85,35 @@ class ModelSourceError(ValueError):
         self.model = model
 
 
+def unsafe_parts(relative: str) -> list[str]:
+    """The parts of a ``/``-separated remote name that would make it leave the folder it is joined onto: ``..``
+    and ``.`` segments, and a leading ``/`` (an absolute name). Empty for a name that stays where it is put."""
+    parts = [part for part in relative.split("/") if part in ("..", ".")]
+    return ["/", *parts] if relative.startswith("/") else parts
+
+
+def confined_path(root: Union[str, Path], relative: Union[str, Path], resolve: bool = True) -> Path:
+    """``root / relative``, checked to stay inside ``root``: ValueError when it does not.
+
+    A remote name (an S3 key, a shard named by a checkpoint's index, an adapter's name) never becomes a local path
+    without this. With ``resolve`` (the default) both sides are resolved first, so ``..`` segments and symlinks
+    anywhere on the way are followed before the check; ``resolve=False`` checks the name alone (no ``..``, ``.``,
+    not absolute) for folders whose files are symlinks by design (a Hugging Face snapshot links into its blobs).
+    """
+    text = str(relative)
+    bad = unsafe_parts(text.replace("\\", "/"))
+    if not text or (bad and not resolve):
+        raise ValueError(f"{text!r} is not a plain relative name ({', '.join(repr(b) for b in bad) or 'empty'})")
+    base = Path(root)
+    if not resolve:
+        return base / text
+    inside = base.resolve()
+    path = (inside / text).resolve()
+    if path != inside and not path.is_relative_to(inside):
+        raise ValueError(f"{text!r} leads outside {str(base)!r} (to {str(path)!r})")
+    return path
+
+
 @dataclass(frozen=True, slots=True)
 class ModelSource:
     """A parsed model argument: ``kind`` is builtin, local, hf or s3; ``value`` the path, repo id or bucket/prefix."""
@@ -111,6 +140,8 @@ def parse_model_source(text: Optional[str]) -> ModelSource:
         bucket_and_prefix = text[len("s3://") :].strip("/")
         if not bucket_and_prefix or bucket_and_prefix.startswith("/"):
             raise ValueError(f"model {text!r}: expected s3://bucket/prefix")
+        if unsafe_parts(bucket_and_prefix.replace("\\", "/")):  # the download folder is named after the URL
+            raise ValueError(f"model {text!r}: an s3:// URL may not hold '.' or '..' path segments")
         return ModelSource("s3", bucket_and_prefix)
     if text.startswith("hf://"):
         repo_id = text[len("hf://") :].strip("/")
@@ -153,12 +184,24 @@ def resolve_model(
         return builtin
     if revision is not None and source.kind != "hf":
         raise ValueError(f"model {text!r}: --revision applies to Hugging Face models only")
+    if revision is not None and unsafe_parts(revision):
+        raise ValueError(f"model {text!r}: revision {revision!r} may not hold '.' or '..' segments or start with '/'")
     offline = offline_mode() if offline is None else offline
     if source.kind == "local":
         return Path(source.value)
     if source.kind == "hf":
         return _download_hf(source.value, revision, download_dir, offline, marker)
     return download_s3(source, _s3_root(download_dir), offline, marker)
+
+
+def download_roots(download_dir: Optional[str]) -> tuple[Path, ...]:
+    """The folders downloads of Hub and S3 models (and adapters) land in: ``download_dir``, or the Hub cache and the
+    S3 cache."""
+    if download_dir:
+        return (Path(download_dir),)
+    from huggingface_hub import constants
+
+    return (Path(constants.HF_HUB_CACHE), _s3_root(None))
 
 
 def _s3_root(download_dir: Optional[str]) -> Path:
@@ -262,7 +305,10 @@ def download_s3(source: ModelSource, root: Path, offline: bool, marker: str = "c
     from filelock import FileLock
 
     url = f"s3://{source.value}"
-    folder = root / "s3" / source.bucket / source.prefix
+    try:  # parse_model_source refused '..' already; this also catches a symlink in the cache leading elsewhere
+        folder = confined_path(root / "s3", f"{source.bucket}/{source.prefix}".rstrip("/"))
+    except ValueError as exc:
+        raise ModelSourceError(DOWNLOAD_FAILED, url, f"the download folder would be outside the cache: {exc}") from None
     if read_completion_marker(folder) is not None and offline:
         return folder
     if offline:
@@ -298,13 +344,22 @@ def _download(source: ModelSource, folder: Path, url: str, marker: str) -> None:
     logger.info("model %s: %d of %d files to download (%.1f MB)", url, len(todo), len(objects), total / 1e6)
     with tqdm(total=total, unit="B", unit_scale=True, desc=f"Downloading {url}", disable=not todo) as bar:
         for name, (size, etag) in sorted(todo.items()):
-            partial = folder / f".{name}.incomplete.{os.getpid()}"
+            target = _object_path(folder, name, url)
+            partial = target.with_name(f".{target.name}.incomplete.{os.getpid()}")
             key = f"{source.prefix}/{name}" if source.prefix else name
             client.download_file(source.bucket, key, str(partial), Callback=bar.update)
-            os.replace(partial, folder / name)
+            os.replace(partial, target)
             fetched[name] = [size, etag]
             _write_json(folder / _S3_FILES, fetched)
     _write_json(folder / _S3_COMPLETE, {name: list(info) for name, info in objects.items()})
+
+
+def _object_path(folder: Path, name: str, url: str) -> Path:
+    """Where the object listed as ``name`` goes: inside ``folder``, or the listing is refused."""
+    try:
+        return confined_path(folder, name)
+    except ValueError as exc:
+        raise ModelSourceError(DOWNLOAD_FAILED, url, f"S3 listed an object outside the prefix: {exc}") from None
 
 
 def _have(folder: Path, name: str, info: tuple[int, str], fetched: dict) -> bool:
@@ -332,6 +387,8 @@ def _list(client, source: ModelSource) -> dict[str, tuple[int, str]]:
     found: dict[str, tuple[int, str]] = {}
     for page in client.get_paginator("list_objects_v2").paginate(Bucket=source.bucket, Prefix=prefix):
         for item in page.get("Contents", ()):
+            if not item["Key"].startswith(prefix):  # a listing that strays from the prefix asked for
+                continue
             name = item["Key"][len(prefix) :]
             if "/" not in name and any(fnmatch.fnmatch(name, p) for p in MODEL_FILE_PATTERNS):
                 found[name] = (int(item["Size"]), str(item.get("ETag", "")))

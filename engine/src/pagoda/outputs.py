@@ -73,3 +73,6 @@ class RequestOutput:
     num_preemptions: int = 0
     # Set when the request failed on its own (finish_reason "error"): what went wrong, safe to show a client.
     error: Optional[str] = None
+    # The failure is something the request needs being unavailable for now (an adapter whose files cannot be read),
+    # not the request or the engine at fault: servers answer 503, and a retry may succeed.
+    error_unavailable: bool = False

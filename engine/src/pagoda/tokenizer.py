@@ -14,23 +14,30 @@ from transformers import AutoTokenizer
 _TOKENIZER_MODES = ("auto", "slow")
 
 
-def get_tokenizer(model_dir: str | Path, tokenizer_mode: str = "auto", trust_remote_code: bool = False) -> Any:
-    """Load the tokenizer stored in ``model_dir``; never touches the network.
+def get_tokenizer(model_dir: str | Path, tokenizer_mode: str = "auto") -> Any:
+    """Load the tokenizer stored in ``model_dir``; never touches the network and never runs the checkpoint's code.
 
     ``tokenizer_mode="slow"`` asks for the Python tokenizer instead of the Rust one where the
-    model has both.
+    model has both. A tokenizer that only its own Python files (``auto_map`` in tokenizer_config.json or
+    config.json) can build is refused with ValueError: ``trust_remote_code`` is always off, and there is no way to
+    turn it on, because a checkpoint (a Hub repo, an S3 prefix) is not code anyone reviewed.
     """
     if tokenizer_mode not in _TOKENIZER_MODES:
         raise ValueError(f"tokenizer_mode must be one of {', '.join(_TOKENIZER_MODES)}, got {tokenizer_mode!r}.")
     path = Path(model_dir)
     if not path.is_dir():
         raise ValueError(f"model directory {str(path)!r} does not exist (tokenizers are only loaded from local files).")
-    return AutoTokenizer.from_pretrained(
-        path,
-        local_files_only=True,
-        trust_remote_code=trust_remote_code,
-        use_fast=tokenizer_mode == "auto",
-    )
+    try:
+        return AutoTokenizer.from_pretrained(
+            path, local_files_only=True, trust_remote_code=False, use_fast=tokenizer_mode == "auto"
+        )
+    except ValueError as exc:
+        if "trust_remote_code" not in str(exc):
+            raise
+        raise ValueError(
+            f"the tokenizer in {str(path)!r} needs the checkpoint's own Python code (auto_map), which pagoda never "
+            "runs; use a checkpoint whose tokenizer is a standard transformers class"
+        ) from None
 
 
 def check_text(text: str, what: str) -> None:

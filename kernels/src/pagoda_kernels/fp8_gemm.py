@@ -151,6 +151,26 @@ def rowwise_scaled_mm_supported(device: torch.device, out_dtype: torch.dtype) ->
     return True
 
 
+@functools.cache
+def tensorwise_scaled_mm_supported(device: torch.device) -> bool:
+    """Whether ``torch._scaled_mm`` takes unit per-tensor scales into float32 on ``device``: the configuration of
+    ``fp8_scaled_mm(..., rowwise=False)``, tried once on a 16x16x16 problem as :func:`rowwise_scaled_mm_supported`."""
+    a = torch.zeros((16, 16), dtype=torch.float8_e4m3fn, device=device)
+    one = torch.ones((), dtype=torch.float32, device=device)
+    try:
+        torch._scaled_mm(a, a.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
+    except (RuntimeError, ValueError, NotImplementedError):
+        return False
+    return True
+
+
+def rowwise_out_dtype(x_dtype: torch.dtype, has_bias: bool) -> torch.dtype:
+    """The ``out_dtype`` a row-wise :func:`fp8_scaled_mm` asks ``torch._scaled_mm`` for: x's dtype, or float32 when
+    there is a bias (added after the GEMM, rounded once). Row-wise is only used where
+    :func:`rowwise_scaled_mm_supported` approved exactly this dtype."""
+    return torch.float32 if has_bias else x_dtype
+
+
 class _ScaledMm(NamedTuple):
     """One checked :func:`fp8_scaled_mm` call."""
 
@@ -200,14 +220,15 @@ def fp8_scaled_mm(call: _ScaledMm) -> torch.Tensor:
         return _scaled(
             torch._scaled_mm(xq, qweight.t(), scale_a=one, scale_b=one, out_dtype=torch.float32), x_scales, call
         )
-    # A bias is added after a float32 output (one rounding, as the reference): the load-time probe of row-wise
-    # support runs without one, and some cuBLASLt builds refuse a bias with row-wise scales.
+    # A bias is added after a float32 output (one rounding, as the reference): the load-time probe runs without
+    # one, and some cuBLASLt builds refuse a bias with row-wise scales. Callers pass rowwise=True only where the
+    # probe approved rowwise_out_dtype(...) itself (Fp8GpuLinear does).
     y = torch._scaled_mm(
         xq,
         qweight.t(),  # [K, N], column-major as cuBLASLt wants
         scale_a=x_scales,
         scale_b=call.scales.view(1, n),
-        out_dtype=x.dtype if bias is None else torch.float32,
+        out_dtype=rowwise_out_dtype(x.dtype, bias is not None),
     )
     if bias is not None:
         y = (y + bias.float()).to(x.dtype)

@@ -201,6 +201,8 @@ def parse_source(text: Optional[str], field_path: str) -> ModelSource:
     if text.startswith("s3://"):
         if not _S3_URL.match(text):
             raise InvalidSpec(field_path, f"{text!r}: expected s3://<bucket>/<prefix>")
+        if {".", ".."} & set(text[len("s3://") :].replace("\\", "/").split("/")):  # the engine refuses them too
+            raise InvalidSpec(field_path, f"{text!r}: an s3:// prefix may not hold '.' or '..' path segments")
         return ModelSource(kind="s3", value=text.rstrip("/"))
     hf_id = text[len("hf://") :] if text.startswith("hf://") else text
     if not _HF_ID.match(hf_id):

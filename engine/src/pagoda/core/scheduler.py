@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import replace
 from typing import Optional
 
@@ -24,9 +24,17 @@ from pagoda.request import Request, RequestStatus, sequence_id
 class Scheduler:
     """Plans steps and applies their results to request state. Holds no tensors."""
 
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv_cache_manager: KVCacheManager,
+        adapter_ready: Optional[Callable[[int], bool]] = None,
+    ) -> None:
         self.config = config
         self.kv = kv_cache_manager
+        # Whether a step can have a LoRA adapter's weights now; a request whose adapter is not ready waits (the
+        # engine reads it meanwhile, off this thread). None: always ready.
+        self.adapter_ready = adapter_ready
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -113,12 +121,12 @@ class Scheduler:
     def _admit_waiting(self, scheduled: dict[str, ScheduledRequest], budget: int) -> int:
         now = time.monotonic()
         # Set aside (and put back in order below): requests whose grammar compiles, and requests whose adapter
-        # has no slot this step. The requests behind them go first.
+        # has no slot this step or is being read. The requests behind them go first.
         deferred: list[Request] = []
         adapters = _AdapterSlots(self.config.max_loras, self.running)
         while self.waiting and budget > 0:
             request = self.waiting[0]
-            if request.grammar_pending or not adapters.admits(request.lora_id):
+            if request.grammar_pending or not adapters.admits(request.lora_id) or not self._adapter_ready(request):
                 deferred.append(self.waiting.popleft())
                 continue
             seats = _seats(request)
@@ -146,6 +154,9 @@ class Scheduler:
             budget -= num_new
         self.waiting.extendleft(reversed(deferred))  # still counted in num_waiting_seqs: never dequeued
         return budget
+
+    def _adapter_ready(self, request: Request) -> bool:
+        return request.lora_id is None or self.adapter_ready is None or self.adapter_ready(request.lora_id)
 
     def _preempt(self, request: Request, scheduled: dict[str, ScheduledRequest]) -> int:
         """Free the sequence's blocks and queue it first for recompute; returns budget given back."""

@@ -75,7 +75,7 @@ class EngineConfig:
             max_num_batched_tokens=self.scheduler.max_num_batched_tokens,
             kv_cache_memory=args.kv_cache_memory,
             gpu_memory_utilization=args.gpu_memory_utilization,
-            enforce_eager=args.enforce_eager,
+            enforce_eager=eager_reason(args.enforce_eager, args.tensor_parallel_size, self.device) is not None,
         )
 
 
@@ -101,6 +101,9 @@ def resolve_engine_config(args: EngineArgs) -> EngineConfig:
     max_model_len = resolve_max_model_len(args.max_model_len, model_config)
     backend = resolve_attention_backend(args.attention_backend, device)
     logger.info("attention backend: %s (%s)", backend, args.attention_backend)
+    reason = eager_reason(args.enforce_eager, args.tensor_parallel_size, device)
+    if reason is not None and not args.enforce_eager:
+        logger.info("decode steps run eagerly, without CUDA graphs: %s", reason)
     return EngineConfig(
         args=args,
         model_path=model_path,
@@ -111,6 +114,23 @@ def resolve_engine_config(args: EngineArgs) -> EngineConfig:
         attention_backend=backend,
         scheduler=SchedulerConfig.from_args(args, max_model_len),
     )
+
+
+def eager_reason(enforce_eager: bool, tensor_parallel_size: int, device: torch.device) -> Optional[str]:
+    """Why decode steps run without CUDA graphs, or None when they are captured (CUDA only: the Triton backend).
+
+    ``--enforce-eager``, or tensor parallelism on a GPU: a captured decode step would hold NCCL all-reduces, and
+    no GPU run has shown those to replay correctly yet. There is deliberately no flag that asks for graphs with
+    ``tensor_parallel_size > 1``: lift this rule (and test it on GPUs) rather than offering an unverified mode.
+    """
+    if enforce_eager:
+        return "--enforce-eager"
+    if torch.device(device).type == "cuda" and tensor_parallel_size > 1:
+        return (
+            f"tensor_parallel_size={tensor_parallel_size}: capturing NCCL all-reduces in CUDA graphs is not verified "
+            "on GPUs yet"
+        )
+    return None
 
 
 def resolve_device(device: str) -> torch.device:

@@ -74,7 +74,9 @@ class LLMEngine(LoRAEngineMixin):
         scheduler_config = config.scheduler
         num_blocks = self.executor.num_blocks
         self.scheduler = Scheduler(
-            scheduler_config, KVCacheManager(num_blocks, self.args.block_size, self.args.enable_prefix_caching)
+            scheduler_config,
+            KVCacheManager(num_blocks, self.args.block_size, self.args.enable_prefix_caching),
+            adapter_ready=self._adapter_ready if self.lora_registry is not None else None,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self._structured_outputs: Optional[StructuredOutputCompiler] = None
@@ -154,13 +156,16 @@ class LLMEngine(LoRAEngineMixin):
         A request that fails on its own (no valid token, its output cannot be detokenized) gets a
         final output with ``error`` set; the other requests of the step carry on.
         """
-        grammar_failures = self._poll_grammars()
+        grammar_failures = self._poll_grammars() + self._poll_adapter_reads()
         self._release_unused_adapters()
         plan = self.scheduler.schedule()
         self.last_step_num_tokens = plan.num_batched_tokens
         if plan.is_empty:
             if self._compiling:  # only requests whose grammar is compiling: wait for one, briefly
                 wait([r.grammar.future for r in self._compiling.values()], _GRAMMAR_WAIT_S, FIRST_COMPLETED)
+                return grammar_failures
+            if self.lora_registry is not None and self.lora_registry.pending_reads():  # adapters being read
+                wait([r.future for r in self.lora_registry.pending_reads()], _GRAMMAR_WAIT_S, FIRST_COMPLETED)
                 return grammar_failures
             # start-up guarantees one max-length sequence fits, so work can always progress
             assert not self.scheduler.has_unfinished_requests(), "scheduler made no progress"
@@ -230,11 +235,12 @@ class LLMEngine(LoRAEngineMixin):
                     outputs.append(output)
         return outputs
 
-    def fail_request(self, request_id: str, message: str) -> Optional[RequestOutput]:
+    def fail_request(self, request_id: str, message: str, unavailable: bool = False) -> Optional[RequestOutput]:
         """Finish every sequence of a request with finish reason "error" and free its blocks; returns its
-        final output (``error=message``), or None if the request is not running here."""
+        final output (``error=message``; ``unavailable``: something it needs cannot be had for now, see
+        RequestOutput), or None if the request is not running here."""
         self.scheduler.finish_requests(self.output_processor.sequence_ids(request_id), RequestStatus.FINISHED_ERROR)
-        return self.output_processor.fail_request(request_id, message)
+        return self.output_processor.fail_request(request_id, message, unavailable)
 
     def _external_id(self, seq_id: str) -> str:
         request = self.scheduler.requests.get(seq_id)

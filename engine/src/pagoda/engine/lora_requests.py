@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Optional
 
 from pagoda.core.scheduler_output import SchedulerOutput
 from pagoda.lora.adapter import LoRAAdapter
-from pagoda.lora.registry import LoRARecord, LoRARegistry
+from pagoda.lora.registry import LoRARecord, LoRARegistry, unavailable_message
 from pagoda.lora.sources import LoRAModule
 from pagoda.outputs import RequestOutput
 from pagoda.request import Request
@@ -36,7 +36,7 @@ class LoRAEngineMixin:
     executor: Executor
     scheduler: Scheduler
     lora_registry: Optional[LoRARegistry]
-    fail_request: Callable[[str, str], Optional[RequestOutput]]
+    fail_request: Callable[..., Optional[RequestOutput]]
 
     def _lora_registry(self, config: EngineConfig) -> Optional[LoRARegistry]:
         """The registry of an engine with LoRA slots (None without ``enable_lora``): it checks every adapter
@@ -50,6 +50,7 @@ class LoRAEngineMixin:
             args.max_cpu_loras or args.lora_slots,
             config.dtype,
             args.download_dir,
+            read_timeout=args.lora_read_timeout,
         )
 
     @property
@@ -96,25 +97,44 @@ class LoRAEngineMixin:
             if gone:
                 self.executor.remove_loras(gone)
 
+    def _adapter_ready(self, lora_id: int) -> bool:
+        """The scheduler's question before it admits a request on ``lora_id``: can a step have its weights without
+        reading a file? (If not, a background read starts and the request waits.)"""
+        assert self.lora_registry is not None
+        return lora_id in self.executor.resident_loras() or self.lora_registry.ready(lora_id)
+
+    def _poll_adapter_reads(self) -> list[RequestOutput]:
+        """Fail the requests of adapters whose files could not be read again (or not in time)."""
+        if self.lora_registry is None:
+            return []
+        return self._fail_adapter_requests(self.lora_registry.poll_reads())
+
     def _fetch_adapters(self, plan: SchedulerOutput) -> tuple[dict[int, LoRAAdapter], list[RequestOutput]]:
-        """The weights of the step's adapters that no device slot holds, from host memory (or read again from
-        disk). The requests of an adapter that cannot be read fail, and leave the plan."""
+        """The weights of the step's adapters that no device slot holds, from host memory (never from disk: see
+        ``_adapter_ready``). The requests of an adapter that is not there fail, and leave the plan."""
         if self.lora_registry is None:
             return {}, []
         step_ids = {s.request.lora_id for s in plan.scheduled if s.request.lora_id is not None}
         if not step_ids:
             return {}, []
         found = self.lora_registry.fetch(step_ids - self.executor.resident_loras(), step_ids)
-        outputs = []
-        for lora_id, message in found.failed.items():
-            for request in [r for r in self.scheduler.requests.values() if r.lora_id == lora_id]:
-                logger.warning("request_id=%s failed: %s", request.external_id, message)
-                output = self.fail_request(request.external_id, message)
-                if output is not None:
-                    outputs.append(output)
+        outputs = self._fail_adapter_requests(found.failed)
         if found.failed:
             plan.scheduled = [s for s in plan.scheduled if s.request.lora_id not in found.failed]
         return found.adapters, outputs
+
+    def _fail_adapter_requests(self, failed: dict[int, str]) -> list[RequestOutput]:
+        """Every request on an adapter of ``failed`` (id -> why, for the log) ends with a 503-class error that names
+        the adapter only; the other requests carry on."""
+        outputs = []
+        for lora_id, message in failed.items():
+            client_message = unavailable_message(self._registry().name_of(lora_id))
+            for request in [r for r in self.scheduler.requests.values() if r.lora_id == lora_id]:
+                logger.warning("request_id=%s failed: %s", request.external_id, message)
+                output = self.fail_request(request.external_id, client_message, unavailable=True)
+                if output is not None:
+                    outputs.append(output)
+        return outputs
 
     def _adapter_names(self, requests: Iterable[Request]) -> tuple[str, ...]:
         if self.lora_registry is None:

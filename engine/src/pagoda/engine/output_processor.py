@@ -110,7 +110,7 @@ class OutputProcessor:
                 del self.states[external_id]
         return outputs, failed
 
-    def fail_request(self, external_id: str, message: str) -> Optional[RequestOutput]:
+    def fail_request(self, external_id: str, message: str, unavailable: bool = False) -> Optional[RequestOutput]:
         """The final output of a request that failed alone (``error`` set, every unfinished sequence
         "error"); forgets the request. None if it is not known (already finished or aborted)."""
         state = self.states.pop(external_id, None)
@@ -133,6 +133,7 @@ class OutputProcessor:
             metrics=self._metrics(state, True),
             num_cached_tokens=state.parent.num_cached_tokens or 0,
             error=message,
+            error_unavailable=unavailable,
         )
 
     def _make_output(self, state: _RequestState, updated: list[Request]) -> Optional[RequestOutput]:

@@ -75,14 +75,19 @@ class Fp8GpuLinear:
     scales: torch.Tensor  # [out] float32
     input_scale: Optional[torch.Tensor]  # [1] float32 static activation scale; None: per token
     bias: Optional[torch.Tensor]  # [out]
-    rowwise_dtypes: frozenset[torch.dtype]  # output dtypes _scaled_mm takes row-wise scales for (fp8-scaled-mm)
+    rowwise_dtypes: frozenset[torch.dtype]  # out_dtypes the probe saw _scaled_mm take row-wise scales into
     name: str
     gemm: Callable[..., torch.Tensor] = field(repr=False)  # fp8_scaled_mm or fp8_w8a16_gemm, imported once
 
     @staticmethod
     def from_fp8_weight(weight: Fp8Weight, bias: Optional[torch.Tensor]) -> Fp8GpuLinear:
         """Choose the path for ``weight``'s device and shape; the weight is kept as it is."""
-        from pagoda_kernels.fp8_gemm import fp8_scaled_mm, fp8_w8a16_gemm, rowwise_scaled_mm_supported
+        from pagoda_kernels.fp8_gemm import (
+            fp8_scaled_mm,
+            fp8_w8a16_gemm,
+            rowwise_scaled_mm_supported,
+            tensorwise_scaled_mm_supported,
+        )
 
         device = weight.qweight.device
         qweight = weight.qweight.contiguous()
@@ -92,7 +97,10 @@ class Fp8GpuLinear:
             input_scale = weight.input_scale.detach().to(device=device, dtype=torch.float32).reshape(1)
         out_features, in_features = qweight.shape
         bias = _on_device(bias, device)
-        if fp8_scaled_mm_supported(device) and in_features % 16 == 0 and out_features % 16 == 0:
+        shapes_fit = in_features % 16 == 0 and out_features % 16 == 0
+        # Every _scaled_mm configuration a call may use is probed first: unit per-tensor scales into float32 (the
+        # fallback), and row-wise into each output dtype; a device that takes neither gets the Triton GEMM.
+        if fp8_scaled_mm_supported(device) and shapes_fit and tensorwise_scaled_mm_supported(device):
             dtypes = (torch.bfloat16, torch.float16, torch.float32)
             rowwise = frozenset(dt for dt in dtypes if rowwise_scaled_mm_supported(device, dt))
             return Fp8GpuLinear(qweight, scales, input_scale, bias, rowwise, "fp8-scaled-mm", fp8_scaled_mm)
@@ -100,9 +108,15 @@ class Fp8GpuLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., in] -> [..., out]
         if self.name == "fp8-scaled-mm":
-            rowwise = x.dtype in self.rowwise_dtypes
-            return self.gemm(x, self.qweight, self.scales, self.input_scale, self.bias, rowwise)
+            return self.gemm(x, self.qweight, self.scales, self.input_scale, self.bias, self.rowwise(x.dtype))
         return self.gemm(x, self.qweight, self.scales, self.bias)
+
+    def rowwise(self, x_dtype: torch.dtype) -> bool:
+        """Whether ``fp8-scaled-mm`` takes the row-wise path for ``x_dtype``: only when the load-time probe approved
+        the very output dtype that call asks for (float32 when there is a bias, not x's dtype)."""
+        from pagoda_kernels.fp8_gemm import rowwise_out_dtype
+
+        return rowwise_out_dtype(x_dtype, self.bias is not None) in self.rowwise_dtypes
 
     def float_output(self, x: torch.Tensor) -> torch.Tensor:
         if self.name == "fp8-scaled-mm":

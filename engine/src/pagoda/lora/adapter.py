@@ -91,7 +91,9 @@ def load_adapter(
     weights: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
     for (module, part), tensors in sorted(pairs.items()):
         a, b = _check_pair(name, module, part, tensors, targets[module], rank)
-        weights.setdefault(module, {})[part] = (a.to(dtype).contiguous(), (b.float() * scaling).to(dtype).contiguous())
+        a, b = a.to(dtype).contiguous(), (b.float() * scaling).to(dtype).contiguous()
+        _check_finite(name, module, part, a, b, scaling)
+        weights.setdefault(module, {})[part] = (a, b)
     if not weights:
         raise LoRAAdapterError(f"LoRA adapter {name!r}: {WEIGHTS_FILE} holds no LoRA weights")
     return LoRAAdapter(name=name, path=str(folder), rank=rank, scaling=scaling, weights=weights)
@@ -144,7 +146,20 @@ def _rank_and_scaling(name: str, config: dict, max_rank: int) -> tuple[int, floa
         raise LoRAAdapterError(f"LoRA adapter {name!r}: lora_alpha must be a number, got {alpha!r}")
     # rsLoRA scales by alpha / sqrt(r) instead of alpha / r (as PEFT does)
     scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+    if not math.isfinite(scaling):
+        raise LoRAAdapterError(f"LoRA adapter {name!r}: lora_alpha={alpha!r} gives a scaling that is not finite")
     return rank, float(scaling)
+
+
+def _check_finite(name: str, module: str, part: int, a: torch.Tensor, b: torch.Tensor, scaling: float) -> None:
+    """NaN or Inf in the weights as served (B scaled, both in the model dtype, where a huge lora_alpha overflows)
+    would turn every token of every request on the adapter into NaN: refused at load instead."""
+    for which, tensor in (("lora_A", a), ("lora_B", b)):
+        if not bool(torch.isfinite(tensor).all()):
+            scaled = f" scaled by {scaling:g} (lora_alpha / r)" if which == "lora_B" else ""
+            raise LoRAAdapterError(
+                f"LoRA adapter {name!r}: {module} slice {part} has NaN or Inf in {which}{scaled} as {tensor.dtype}"
+            )
 
 
 def _target_of(name: str, key: str, targets: Mapping[str, tuple[int, tuple[int, ...]]]) -> tuple[str, int, str]:

@@ -7,9 +7,12 @@ from disk when next needed); ``max_loras`` of them sit in the model's device slo
 (:class:`pagoda.lora.slots.LoRASlots`). The scheduler keeps the adapters of one step within ``max_loras``, so a
 step always finds its slots.
 
-Loading and unloading run on any thread (the server's), under this registry's lock; the engine thread asks for a
-step's adapters between steps. Unloading a name takes effect at once for new requests; requests already running
-on it finish on its weights, which are released when the last of them ends.
+Loading and unloading run on any thread (the server's); the registry's lock is never held while files are read.
+Every read of adapter files runs in a reader thread with a deadline (:mod:`pagoda.lora.reader`), and the engine
+thread never waits for one: an adapter that host memory dropped is read again in the background while its requests
+wait (the scheduler asks :meth:`LoRARegistry.ready`), and its requests fail, alone, if that read fails or runs out of
+time. Unloading a name takes effect at once for new requests; requests already running on it finish on its
+weights, which are released when the last of them ends.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from typing import Optional
 import torch
 
 from pagoda.lora.adapter import LoRAAdapter, load_adapter
+from pagoda.lora.reader import AdapterReader, AdapterReadTimeout, Read
 from pagoda.lora.sources import LoRAModule, resolve_adapter_path
 
 logger = logging.getLogger(__name__)
@@ -57,6 +61,12 @@ class StepAdapters:
     failed: dict[int, str]
 
 
+def unavailable_message(name: str) -> str:
+    """What a request on an adapter whose files cannot be read is told (the details, paths among them, are for the
+    log and an authorized ``GET /lora_adapters``)."""
+    return f"LoRA adapter {name!r} is unavailable: its files could not be read; try again later"
+
+
 class LoRARegistry:
     """Names, ids and host-memory weights of the adapters one engine serves; see the module docstring."""
 
@@ -67,6 +77,7 @@ class LoRARegistry:
         max_cpu_loras: int,
         dtype: torch.dtype,
         download_dir: Optional[str] = None,
+        read_timeout: float = 60.0,
     ) -> None:
         self.targets = dict(targets)
         self.max_rank = max_rank
@@ -78,6 +89,14 @@ class LoRARegistry:
         self._by_name: dict[str, LoRARecord] = {}
         self._records: dict[int, LoRARecord] = {}  # registered, or unloaded but still used by a request
         self._host: OrderedDict[int, LoRAAdapter] = OrderedDict()  # LRU: most recent last
+        self.reader = AdapterReader(read_timeout)
+        # engine thread only: reads of adapters host memory dropped, and ids whose read was refused at once
+        self._rereads: dict[int, Read] = {}
+        self._refused: dict[int, str] = {}
+        # under the lock: why an adapter's files could not be read again (until a read succeeds), and the adapters
+        # ready() found in host memory for the coming step, which no load may drop before the step has them
+        self._read_errors: dict[int, str] = {}
+        self._pinned: set[int] = set()
 
     # ---- any thread ---------------------------------------------------------------------------
 
@@ -90,7 +109,9 @@ class LoRARegistry:
             self._check_name_free(module.name, replace)
         started = time.monotonic()
         folder = resolve_adapter_path(module.path, self.download_dir)
-        adapter = load_adapter(module.name, folder, self.targets, self.max_rank, self.dtype)
+        adapter = self.reader.read(
+            str(folder), f"LoRA adapter {module.name!r}", lambda: self._read(module.name, folder)
+        )
         with self._lock:
             self._check_name_free(module.name, replace)
             record = LoRARecord(
@@ -104,7 +125,7 @@ class LoRARegistry:
             )
             self._by_name[module.name] = record
             self._records[record.lora_id] = record
-            self._cache(record.lora_id, adapter, protected=set())
+            self._cache(record.lora_id, adapter, protected=self._pinned)
         logger.info(
             "LoRA adapter %s loaded from %s (id %d, rank %d, %.1f MiB, %.2f s)",
             module.name, module.path, record.lora_id, adapter.rank, adapter.num_bytes / 2**20, time.monotonic() - started,
@@ -148,37 +169,86 @@ class LoRARegistry:
             for lora_id in gone:
                 del self._records[lora_id]
                 self._host.pop(lora_id, None)
+                self._read_errors.pop(lora_id, None)
+        for lora_id in gone:  # a read still running for it is left to end alone
+            self._rereads.pop(lora_id, None)
+            self._refused.pop(lora_id, None)
         return gone
 
+    def read_error(self, name: str) -> Optional[str]:
+        """Why adapter ``name``'s files could not be read again, while that is so (None once a read succeeds)."""
+        with self._lock:
+            record = self._by_name.get(name)
+            return None if record is None else self._read_errors.get(record.lora_id)
+
+    def ready(self, lora_id: int) -> bool:
+        """Whether a step can have ``lora_id``'s weights without reading a file: they are in host memory (and stay
+        there until the next :meth:`fetch`). If host memory dropped them, a read starts in the background and this
+        is False until it is done; :meth:`poll_reads` reports it if it fails."""
+        with self._lock:
+            record = self._records.get(lora_id)
+            if lora_id in self._host or record is None:  # not loaded at all: fetch() fails its requests
+                self._pinned.add(lora_id)
+                return True
+        if lora_id in self._rereads or lora_id in self._refused:
+            return False
+        what = f"LoRA adapter {record.name!r}"
+        try:
+            self._rereads[lora_id] = self.reader.start(
+                record.local_path, what, lambda: self._read(record.name, Path(record.local_path))
+            )
+        except AdapterReadTimeout as exc:
+            self._refused[lora_id] = str(exc)
+        return False
+
+    def poll_reads(self) -> dict[int, str]:
+        """The background reads that failed or are past their deadline (id -> why): the requests waiting on those
+        adapters must fail now. A read past its deadline is reported at every poll until it ends, so requests
+        that arrive meanwhile fail at once instead of waiting on it."""
+        failed, self._refused = self._refused, {}
+        for lora_id, pending in list(self._rereads.items()):
+            if pending.future.done():
+                del self._rereads[lora_id]
+                error = pending.future.exception()
+                with self._lock:
+                    if error is None and lora_id in self._records:
+                        self._cache(lora_id, pending.future.result(), protected=self._pinned)
+                        self._read_errors.pop(lora_id, None)
+                if error is not None:
+                    failed[lora_id] = f"LoRA adapter {self.name_of(lora_id)!r} could not be read again: {error}"
+            elif pending.overdue(self.reader.timeout):
+                failed[lora_id] = self.reader.timeout_message(f"LoRA adapter {self.name_of(lora_id)!r}", pending)
+        with self._lock:
+            self._read_errors.update((i, m) for i, m in failed.items() if i in self._records)
+        for message in failed.values():
+            logger.warning("%s", message)
+        return failed
+
+    def pending_reads(self) -> list[Read]:
+        """The background reads still running (the engine waits on them, briefly, when nothing else can run)."""
+        return [r for r in self._rereads.values() if not r.future.done()]
+
     def fetch(self, missing: set[int], step_ids: set[int]) -> StepAdapters:
-        """The weights of a step's adapters that are not in a device slot (``missing``), from host memory or read
-        again from disk when host memory dropped them. ``step_ids`` (all of the step's adapters) stay in host
-        memory while others are read."""
+        """The weights of a step's adapters that are not in a device slot (``missing``), from host memory: the
+        scheduler admitted only requests whose adapter :meth:`ready` found there, and pinned it. Never reads a
+        file. ``step_ids`` (all of the step's adapters) are kept in host memory while the step copies them."""
         found = StepAdapters({}, {})
-        for lora_id in missing:
-            with self._lock:
+        with self._lock:
+            for lora_id in missing:
                 adapter = self._host.get(lora_id)
                 if adapter is not None:
                     self._host.move_to_end(lora_id)
-                record = self._records.get(lora_id)
-            if adapter is None and record is None:
-                found.failed[lora_id] = f"LoRA adapter id {lora_id} is not loaded"
-                continue
-            if adapter is None:
-                try:
-                    adapter = load_adapter(
-                        record.name, Path(record.local_path), self.targets, self.max_rank, self.dtype
-                    )
-                except Exception as exc:  # the folder changed or vanished: its requests fail, the engine goes on
-                    found.failed[lora_id] = (
-                        f"LoRA adapter {record.name!r} could not be read again from {record.local_path}: {exc}"
-                    )
-                    continue
-                with self._lock:
-                    self._cache(lora_id, adapter, protected=step_ids)
-            # held for the step: a load on another thread may drop it from the host cache meanwhile
-            found.adapters[lora_id] = adapter
+                    found.adapters[lora_id] = adapter  # held for the step: another thread's load may drop it now
+                elif lora_id in self._records:
+                    found.failed[lora_id] = unavailable_message(self._records[lora_id].name)
+                else:
+                    found.failed[lora_id] = f"LoRA adapter id {lora_id} is not loaded"
+            self._pinned = set(step_ids)
         return found
+
+    def _read(self, name: str, folder: Path) -> LoRAAdapter:
+        """Runs in a reader thread."""
+        return load_adapter(name, folder, self.targets, self.max_rank, self.dtype)
 
     # ---- helpers (under the lock) ----------------------------------------------------------------
 

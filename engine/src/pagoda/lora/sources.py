@@ -10,9 +10,13 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
+
+from pagoda.lora.adapter import CONFIG_FILE, WEIGHTS_FILE, LoRAAdapterError
 
 # A name a request's ``model`` field can carry: no whitespace, no quotes, not too long.
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}$")
@@ -112,3 +116,36 @@ def resolve_adapter_path(path: str, download_dir: Optional[str] = None) -> Path:
     from pagoda.model_source import resolve_model
 
     return resolve_model(path, None, download_dir, offline=adapters_offline(), marker="adapter_config.json")
+
+
+def default_allowed_roots(download_dir: Optional[str], startup: Iterable[LoRAModule]) -> tuple[Path, ...]:
+    """Where runtime loads may read local adapters when ``--lora-allowed-roots`` is not given: the download cache
+    (where Hub and S3 adapters land) and the local folders of the start-up adapters."""
+    from pagoda.model_source import download_roots, parse_model_source
+
+    local = [Path(m.path) for m in startup if parse_model_source(m.path).kind == "local"]
+    return (*download_roots(download_dir), *local)
+
+
+def confine_runtime_adapter(module: LoRAModule, roots: Iterable[Path]) -> None:
+    """Refuse a runtime load of a local folder unless it and its two adapter files, symlinks resolved, lie inside
+    one of ``roots`` and the files are regular files (not a FIFO or a device that blocks the reader). Every reason
+    gives the same LoRAAdapterError, so the answer never tells which paths exist. Hub and S3 adapters pass: they
+    are downloaded into the cache, where every file name is confined (see pagoda.model_source)."""
+    from pagoda.model_source import parse_model_source
+
+    if parse_model_source(module.path).kind != "local":
+        return
+    inside = [Path(root).resolve() for root in roots]
+    try:
+        folder = Path(module.path).resolve(strict=True)
+        files = [(folder / name).resolve(strict=True) for name in (CONFIG_FILE, WEIGHTS_FILE)]
+        allowed = all(any(p.is_relative_to(root) for root in inside) for p in (folder, *files))
+        allowed = allowed and all(stat.S_ISREG(os.stat(f).st_mode) for f in files)
+    except (OSError, RuntimeError, ValueError):  # missing, a symlink loop, unreadable: the same answer
+        allowed = False
+    if not allowed:
+        raise LoRAAdapterError(
+            f"LoRA adapter {module.name!r}: lora_path is not an adapter folder inside the allowed roots "
+            "(--lora-allowed-roots: by default the download cache and the start-up adapters' folders)"
+        )

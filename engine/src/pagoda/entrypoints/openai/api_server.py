@@ -48,13 +48,15 @@ from pagoda.entrypoints.openai.serving import OpenAIServing
 from pagoda.entrypoints.openai.serving_chat import ChatOptions
 from pagoda.entrypoints.openai.tokenizer_pool import TokenizerPool, TokenizerSpec
 from pagoda.entrypoints.openai.tool_parsers import get_tool_parser
+from pagoda.lora.sources import default_allowed_roots
 from pagoda.metrics import EngineMetrics
 from pagoda.startup_failure import report_startup_failure
 from pagoda.version import __version__
 
 logger = logging.getLogger(__name__)
 
-# Probes and the operator's reads need no key: /metrics (autoscaler) and /lora_adapters (adapter status).
+# Probes and the operator's reads need no key: /metrics (autoscaler) and /lora_adapters (adapter status, without
+# paths or errors for callers without the key: see lora_serving).
 AUTH_EXEMPT_PATHS = DEFAULT_EXEMPT_PATHS | {"/lora_adapters"}
 _TRACKED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
 
@@ -142,7 +144,10 @@ class ServerState:
         """The flags' adapters (a failure fails the start) and the adapter list file, before the server is ready."""
         if not self.config.engine_args.enable_lora:
             return
-        self.lora = LoRAAdapters(engine, reserved_names=frozenset({self.model_name}))
+        roots = self.config.lora_allowed_roots or default_allowed_roots(
+            self.config.engine_args.download_dir, self.config.lora_modules
+        )
+        self.lora = LoRAAdapters(engine, frozenset({self.model_name}), tuple(Path(r) for r in roots))
         for module in self.config.lora_modules:
             self.lora.load(module, "flag")
         if self.config.lora_modules_file:
@@ -289,7 +294,14 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         return {"object": "list", "data": cards}
 
     config = state.config
-    add_lora_routes(app, lambda: state.lora, config.engine_args.enable_lora, config.allow_runtime_lora_updates, route)
+    add_lora_routes(
+        app,
+        lambda: state.lora,
+        config.engine_args.enable_lora,
+        config.allow_runtime_lora_updates,
+        route,
+        ApiKeyMiddleware(app, list(config.api_keys)).is_authorized,
+    )
 
     @route("post", "/v1/completions")
     async def completions(body: CompletionRequest, raw: Request) -> Response:

@@ -55,10 +55,18 @@ class ServerLimits:
         "characters of one output constraint (JSON Schema, regex, grammar, choices, or the tools' schemas)",
     )
     structured_output_compile_timeout: float = option(
-        30.0, "seconds a request waits for its output constraint to compile; then 400"
+        30.0, "seconds a request waits for its output constraint to compile; then 400, and the compile is abandoned"
     )
     max_pending_compiles: int = option(
-        64, "output constraints queued or compiling at once (one compile thread); a new one beyond gets 429"
+        64, "output constraints queued or compiling at once (a small pool of threads); a new one beyond gets 429"
+    )
+    # Abandoned compiles cannot be interrupted (native code) and keep burning CPU until they finish.
+    max_abandoned_compiles: int = option(
+        2, "compiles past --structured-output-compile-timeout still running; while that many run, new ones get 429"
+    )
+    structured_output_cache_entries: int = option(512, "compiled output constraints kept for reuse")
+    structured_output_cache_bytes: int = option(
+        256 * 1024 * 1024, "bytes of compiled output constraints kept for reuse (one can be tens of MB)"
     )
 
     def validate(self) -> None:
@@ -74,6 +82,10 @@ class ServerLimits:
 
 
 def _as_tuple(values: Optional[list[str]]) -> tuple[str, ...]:
+    return tuple(values or ())
+
+
+def _paths_flag(values: Optional[list[str]]) -> tuple[str, ...]:
     return tuple(values or ())
 
 
@@ -138,6 +150,13 @@ class ServerConfig:
         "adapters added are loaded, removed ones unloaded, without a restart (the operator mounts a ConfigMap here)",
     )
     lora_modules_poll_seconds: float = option(5.0, "how often --lora-modules-file is re-read")
+    lora_allowed_roots: tuple[str, ...] = option(  # confinement of runtime loads (lora.sources)
+        (),
+        "folders POST /v1/load_lora_adapter may read local adapters from (symlinks resolved first; regular files "
+        "only); default: the download cache and the --lora-modules folders",
+        nargs="+",
+        parse=_paths_flag,
+    )
     allow_runtime_lora_updates: bool = option(  # the load/unload endpoints
         False,
         "enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter (behind --api-key like every /v1 route)",

@@ -194,7 +194,8 @@ class ServingBase:
                     self.metrics.record_output(output, time.monotonic(), params.output_kind)
                 finished = output.finished
                 if output.error is not None:
-                    raise internal_error(output.error)
+                    fail = service_unavailable if output.error_unavailable else internal_error
+                    raise fail(output.error)
                 yield output
         except (ValueError, RequestFailedError, EngineDeadError) as exc:
             raise _as_openai_error(exc) from None
