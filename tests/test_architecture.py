@@ -54,6 +54,7 @@ ENGINE_FLOORS: tuple[tuple[str, ...], ...] = (
         "pagoda.capabilities",
         "pagoda.model_config",
         "pagoda.model_source",
+        "pagoda.confined_paths",
         "pagoda.startup_failure",
     ),
     # the ground floor: native kernels and their loading, CPU features, the package version

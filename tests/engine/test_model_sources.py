@@ -23,8 +23,9 @@ from moto.server import ThreadedMotoServer
 from server_helpers import start_server
 
 from pagoda.config import builtin_model_path
+from pagoda.confined_paths import confined_path
 from pagoda.loader import safetensors_files
-from pagoda.model_source import confined_path, resolve_model
+from pagoda.model_source import resolve_model
 
 pytestmark = pytest.mark.slow  # real processes: downloads, servers
 

@@ -57,6 +57,8 @@ def server(adapters, tmp_path_factory):
         "--lora-modules-poll-seconds",
         "0.2",
         "--allow-runtime-lora-updates",
+        "--lora-allowed-roots",
+        str(adapters["tales"].parent),  # runtime loads read the other adapters beside it
         "--max-loras",
         "2",
         "--max-lora-rank",

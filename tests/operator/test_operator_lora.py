@@ -4,6 +4,7 @@ the spec rules the engine imposes, and the adapter status computed from what the
 from __future__ import annotations
 
 import datetime
+import hashlib
 import json
 import socket
 from collections.abc import AsyncIterator
@@ -222,6 +223,25 @@ def test_a_failure_names_the_adapter_the_pods_and_the_engines_error() -> None:
     assert lora.condition.message == (
         "adapter chat failed to load on 1 of 2 ready pods (pod p-1: adapter rank 64 is above --max-lora-rank 16)"
     )
+
+
+def redacted(entry: dict[str, Any]) -> dict[str, Any]:
+    """The entry as an engine with an API key reports it to a caller without the key (the operator)."""
+    digest = hashlib.sha256(entry["path"].encode()).hexdigest()
+    error = "see the server log" if entry["error"] else None
+    return {
+        "name": entry["name"],
+        "origin": entry["origin"],
+        "state": entry["state"],
+        "path_sha256": digest,
+        "error": error,
+    }
+
+
+def test_pods_that_redact_paths_are_matched_by_the_paths_digest() -> None:
+    lora = lora_status(SPEC, [report("p-0", redacted(SQL), redacted(CHAT)), report("p-1", redacted(CHAT_FAILED))])
+    assert [(e["name"], e["loadedPods"], e["failedPods"]) for e in lora.adapters] == [("sql", 1, 0), ("chat", 1, 1)]
+    assert lora_status(SPEC, [report("p-0", redacted(OLD_CHAT))]).adapters[1]["loadedPods"] == 0  # another source
 
 
 def test_only_what_changed_is_written() -> None:

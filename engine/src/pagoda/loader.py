@@ -15,10 +15,10 @@ from tqdm.auto import tqdm
 
 from pagoda.attention.protocol import AttentionBackend
 from pagoda.config import check_quantization_tensor_parallel
+from pagoda.confined_paths import confined_path
 from pagoda.distributed.parallel import SINGLE, TensorParallel
 from pagoda.layers.linear import Linear, MergedLinear, linear_weights_on_meta, materialize_linear_weights
 from pagoda.model_config import ModelConfig
-from pagoda.model_source import confined_path
 from pagoda.models.registry import get_model_class
 from pagoda.models.weights import FUSED_MODULES
 from pagoda.quantization.config import QuantConfig

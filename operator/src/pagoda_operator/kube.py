@@ -22,7 +22,10 @@ disk, pure Python, 0.5 s to import once). What it lacks is a thin layer here, ar
 - pagination: ``list`` pages with ``limit``/``continue`` and starts over without paging when the continue token
   expired (410), as client-go's pager does;
 - token refresh: a token file (the in-cluster service account token, which the kubelet rotates) is re-read when it
-  changes and after a 401, which is then retried once (``kube_config.TokenFile``).
+  changes and after a 401, which is then retried once (``kube_config.TokenFile``);
+- fencing: ``fence``, when given, is called before every attempt of every write (anything but GET) and refuses
+  it by raising; under leader election it is ``LeaseElector.fence``, so a replica past its renew deadline writes
+  nothing (``leader``).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ import json
 import logging
 import random
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -175,22 +178,27 @@ class KubeClient:
         token_file: Optional[str] = None,
         retry: RetryPolicy = RetryPolicy(),
         timeout: float = 30.0,
+        fence: Optional[Callable[[], None]] = None,
     ) -> None:
-        """``token_file``: a bearer token file to re-read when it changes (overrides ``info.token``)."""
+        """``token_file``: a bearer token file to re-read when it changes (overrides ``info.token``); ``fence``:
+        called before each write attempt, raising to refuse it (see the module docstring)."""
         self._config = KubeConfig.from_connection_info(info, token_file)
         self._api = ApiClient(self._config.configuration)  # builds the SSL context from the files ...
         self._config.remove_files()  # ... so in-memory keys written for it need not stay on disk
         self._api.user_agent = f"pagoda-operator/{__version__}"
         self._retry = retry
         self._timeout = timeout
+        self._fence = fence
 
     @classmethod
-    def from_environment(cls, settings: kopf.OperatorSettings) -> KubeClient:
+    def from_environment(
+        cls, settings: kopf.OperatorSettings, fence: Optional[Callable[[], None]] = None
+    ) -> KubeClient:
         """Logged in as ``login`` does; an in-cluster token is re-read as the kubelet rotates it."""
         info, token_file = _login(settings)
         if info is None:
             raise kopf.PermanentError("no Kubernetes credentials: neither a service account nor a kubeconfig")
-        return cls(info, token_file=token_file)
+        return cls(info, token_file=token_file, fence=fence)
 
     async def close(self) -> None:
         """Close the HTTP session."""
@@ -237,6 +245,8 @@ class KubeClient:
         """One API request with the retries of ``RetryPolicy`` and a token re-read on a 401."""
         retry, reauthenticated = 0, False
         while True:
+            if self._fence is not None and method != "GET":
+                self._fence()  # at each attempt: a retry after the deadline is refused too
             try:
                 return await self._send(method, path, query, body, content_type, stream)
             except _Failed as failure:

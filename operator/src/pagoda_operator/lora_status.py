@@ -15,6 +15,7 @@ True/AllAdaptersLoaded otherwise.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -77,7 +78,7 @@ def _entry(name: str, path: str, reports: Sequence[PodAdapters]) -> tuple[dict[s
         if report.adapters is None:
             continue
         item = report.adapters.get(name) or {}
-        if item.get("path") != path:
+        if not _same_source(item, path):
             pending += 1
         elif item.get("state") == "loaded":
             loaded += 1
@@ -90,6 +91,14 @@ def _entry(name: str, path: str, reports: Sequence[PodAdapters]) -> tuple[dict[s
     if error is not None:
         entry["message"] = error
     return entry, pending
+
+
+def _same_source(item: Mapping[str, Any], path: str) -> bool:
+    """Whether the pod serves ``name`` from ``path``: an engine with an API key tells callers without it (the
+    operator reads no Secrets) only the sha256 of each adapter's path, never the path."""
+    if "path" in item:
+        return item["path"] == path
+    return item.get("path_sha256") == hashlib.sha256(path.encode()).hexdigest()
 
 
 def _naming_the_first(

@@ -41,7 +41,8 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
     settings.persistence.finalizer = "pagoda.dev/cleanup"
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="pagoda.dev")
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix="pagoda.dev")
-    memo.kube = KubeClient.from_environment(settings)
+    # Under leader election (``run``) the memo carries the elector's fence: our writes stop at its deadline.
+    memo.kube = KubeClient.from_environment(settings, fence=memo.get("fence"))
     # Reaches the engine pods (the autoscaler's /metrics, the adapter status); shared by every resource.
     memo.scrape_session = aiohttp.ClientSession()
     # Our Deployments' changes refresh their owners' status at once, not only at the next timer tick.

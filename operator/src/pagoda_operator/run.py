@@ -1,9 +1,10 @@
 """``python -m pagoda_operator.run``: the operator behind Lease leader election, for more than one replica.
 
 Every replica serves ``/healthz`` and stands by until it holds the Lease; the holder runs kopf in-process
-(standalone: the Lease, not kopf peering, decides who acts). A holder that cannot renew within the lease time stops
+(standalone: the Lease, not kopf peering, decides who acts). A holder that cannot renew within its renew deadline stops
 acting and exits 1, so Kubernetes restarts it as a standby; on SIGTERM it hands the Lease back, so a standby takes
-over at its next attempt instead of after the lease time.
+over at its next attempt instead of after the lease time. Every write, ours and kopf's, is fenced by the elector:
+past the renew deadline (2/3 of the lease) none is sent, even before kopf has stopped (``leader``).
 
     python -m pagoda_operator.run --lease-name pagoda-operator --lease-namespace pagoda-system --all-namespaces
 
@@ -19,13 +20,13 @@ import logging
 import os
 import socket
 import sys
-from typing import Optional
+from typing import NoReturn, Optional
 
 import kopf
 from aiohttp import web
 
 from pagoda_operator.kube import KubeClient
-from pagoda_operator.leader import LeaseElector
+from pagoda_operator.leader import LeaseElector, fence_kopf_writes
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +44,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if bool(args.namespace) == args.all_namespaces:
         parser.error("give --all-namespaces or at least one --namespace")
+    if not 0 < args.retry_seconds < args.lease_seconds * 2 / 3:  # the renew deadline: see leader.LeaseElector
+        parser.error("--retry-seconds must be below 2/3 of --lease-seconds, to renew before the deadline")
     return args
 
 
@@ -57,8 +60,15 @@ async def _health_server(port: int) -> Optional[web.AppRunner]:
     return runner
 
 
+def _exit_now(status: int) -> NoReturn:
+    """Exit at once, not through ``asyncio.run``'s shutdown: kopf leaves orphaned handler tasks behind when stopped
+    mid-way, and waiting for them could keep a replica that lost the Lease (fenced, but alive) from restarting."""
+    logging.shutdown()
+    os._exit(status)
+
+
 async def run(args: argparse.Namespace) -> int:
-    """Stand by, lead, and return the exit status (1 when the Lease was lost)."""
+    """Stand by, lead, and return the exit status (0); when the Lease is lost, exit 1 from here."""
     import pagoda_operator.main  # noqa: F401  (registers the handlers with kopf)
 
     health = await _health_server(args.health_port)
@@ -67,19 +77,22 @@ async def run(args: argparse.Namespace) -> int:
     elector = LeaseElector(
         kube, args.lease_namespace, args.lease_name, identity, args.lease_seconds, args.retry_seconds
     )
+    fence_kopf_writes(elector.fence)
     try:
         await elector.acquire()
         stop = asyncio.Event()
+        memo = kopf.Memo(fence=elector.fence)  # main.startup hands it to the operator's KubeClient
         operator = asyncio.create_task(
-            kopf.operator(clusterwide=args.all_namespaces, namespaces=args.namespace, standalone=True, stop_flag=stop)
+            kopf.operator(
+                clusterwide=args.all_namespaces, namespaces=args.namespace, standalone=True, stop_flag=stop, memo=memo
+            )
         )
         keeper = asyncio.create_task(elector.keep())
         done, _ = await asyncio.wait({operator, keeper}, return_when=asyncio.FIRST_COMPLETED)
-        if keeper in done:  # lost: stop acting now; the restart makes this replica a standby
+        if keeper in done:  # lost: writes are fenced already; stop kopf before a standby can take over
             stop.set()
-            with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
-                await asyncio.wait_for(operator, 10)
-            return 1
+            await asyncio.wait({operator}, timeout=args.lease_seconds - elector.renew_deadline)
+            _exit_now(1)
         keeper.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await keeper

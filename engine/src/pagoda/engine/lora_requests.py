@@ -130,7 +130,7 @@ class LoRAEngineMixin:
         for lora_id, message in failed.items():
             client_message = unavailable_message(self._registry().name_of(lora_id))
             for request in [r for r in self.scheduler.requests.values() if r.lora_id == lora_id]:
-                logger.warning("request_id=%s failed: %s", request.external_id, message)
+                logger.info("request_id=%s failed: %s", request.external_id, message)
                 output = self.fail_request(request.external_id, client_message, unavailable=True)
                 if output is not None:
                     outputs.append(output)

@@ -36,6 +36,7 @@ class Read(Generic[T]):
     key: str
     started: float  # time.monotonic()
     future: Future = field(default_factory=Future)
+    reported: bool = False  # its overdue state was logged (once per read, not once per engine step)
 
     def overdue(self, timeout: float, now: Optional[float] = None) -> bool:
         return not self.future.done() and (time.monotonic() if now is None else now) - self.started > timeout

@@ -206,6 +206,7 @@ class LoRARegistry:
         adapters must fail now. A read past its deadline is reported at every poll until it ends, so requests
         that arrive meanwhile fail at once instead of waiting on it."""
         failed, self._refused = self._refused, {}
+        fresh = dict(failed)  # what is logged: new failures, not a stuck read at every step
         for lora_id, pending in list(self._rereads.items()):
             if pending.future.done():
                 del self._rereads[lora_id]
@@ -215,12 +216,16 @@ class LoRARegistry:
                         self._cache(lora_id, pending.future.result(), protected=self._pinned)
                         self._read_errors.pop(lora_id, None)
                 if error is not None:
-                    failed[lora_id] = f"LoRA adapter {self.name_of(lora_id)!r} could not be read again: {error}"
+                    failed[lora_id] = fresh[lora_id] = (
+                        f"LoRA adapter {self.name_of(lora_id)!r} could not be read again: {error}"
+                    )
             elif pending.overdue(self.reader.timeout):
                 failed[lora_id] = self.reader.timeout_message(f"LoRA adapter {self.name_of(lora_id)!r}", pending)
+                if not pending.reported:
+                    pending.reported, fresh[lora_id] = True, failed[lora_id]
         with self._lock:
-            self._read_errors.update((i, m) for i, m in failed.items() if i in self._records)
-        for message in failed.values():
+            self._read_errors.update((i, m) for i, m in fresh.items() if i in self._records)
+        for message in fresh.values():
             logger.warning("%s", message)
         return failed
 

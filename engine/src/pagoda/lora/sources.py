@@ -134,7 +134,11 @@ def confine_runtime_adapter(module: LoRAModule, roots: Iterable[Path]) -> None:
     are downloaded into the cache, where every file name is confined (see pagoda.model_source)."""
     from pagoda.model_source import parse_model_source
 
-    if parse_model_source(module.path).kind != "local":
+    try:
+        remote = parse_model_source(module.path).kind in ("hf", "s3")
+    except ValueError:  # neither a folder nor a source: answered like any other path outside the roots
+        remote = False
+    if remote:
         return
     inside = [Path(root).resolve() for root in roots]
     try:

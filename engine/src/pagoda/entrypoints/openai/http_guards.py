@@ -3,7 +3,9 @@
 - :class:`HeaderTimeoutH11Protocol`: uvicorn's h11 protocol, closing connections whose request head
   (request line and headers) has not fully arrived ``--http-header-timeout`` seconds after the connection
   opened or the previous response ended. Without it a client that sends half a request line holds its
-  connection, and a task, forever.
+  connection, and a task, forever. A head larger than h11's buffer limit (uvicorn's default, 16 KiB: a 1 MB
+  header, 10,000 headers) is a 431, and one h11 cannot parse a 400, both OpenAI errors (uvicorn's own answer
+  is a text/plain 400).
 - :class:`BodyLimitMiddleware`: reads the whole request body before any route sees it, within
   ``--max-request-body-bytes`` (413) and ``--http-body-timeout`` seconds from the first read (408). Routes
   then parse a body that is known to be bounded. A body over the limit is never kept: it is read and
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import http
 import json
 import logging
 import re
@@ -25,7 +28,7 @@ from typing import Optional
 
 import h11
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
-from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.h11_impl import DEFAULT_MAX_INCOMPLETE_EVENT_SIZE, H11Protocol
 
 from pagoda.entrypoints.openai.asgi import HTTPMiddleware
 from pagoda.entrypoints.openai.errors import OpenAIError
@@ -36,6 +39,11 @@ REQUEST_ID_HEADER = b"x-request-id"
 _VALID_REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 _BODYLESS_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "DELETE"})
 _DISCARD_FACTOR = 8
+# After refusing a malformed or oversized request head, what the client is still sending is read and dropped,
+# up to this much and this long, before the connection closes: closing a socket with unread data resets the
+# connection, and the reset can destroy the answer before the client reads it.
+_LINGER_BYTES = 4 * 1024 * 1024
+_LINGER_SECONDS = 2.0
 
 # The id of the request being handled, for log records written while handling it.
 current_request_id: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar("request_id", default=None)
@@ -52,14 +60,26 @@ class HeaderTimeoutH11Protocol(H11Protocol):
     header_timeout: float = 10.0
     _head_timer: Optional[asyncio.TimerHandle] = None
     _head_bytes = 0
+    _head_tail = b""  # the last bytes of the head so far, to find an end of head split across reads
+    _linger_bytes: Optional[int] = None  # bytes dropped since a refused head; None: not refused
+    _linger_timer: Optional[asyncio.TimerHandle] = None
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._arm_head_timer()
 
     def data_received(self, data: bytes) -> None:
+        if self._linger_bytes is not None:
+            self._linger_bytes += len(data)
+            if self._linger_bytes > _LINGER_BYTES:
+                self.transport.close()
+            return
         if self.conn.their_state is h11.IDLE:
+            too_large = self._head_too_large(data)
             self._head_bytes += len(data)
+            if too_large:
+                self._refuse(431, f"the request line and headers are larger than {self._head_limit()} bytes")
+                return
         super().data_received(data)
         if self.conn.their_state is not h11.IDLE:  # the head is complete: the body has its own timeout
             self._disarm_head_timer()
@@ -71,11 +91,43 @@ class HeaderTimeoutH11Protocol(H11Protocol):
 
     def connection_lost(self, exc) -> None:
         self._disarm_head_timer()
+        if self._linger_timer is not None:
+            self._linger_timer.cancel()
         super().connection_lost(exc)
+
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn calls this for a request head h11 refused: answer with an OpenAI error, then close."""
+        if self.conn.our_state not in (h11.IDLE, h11.SEND_RESPONSE):  # a response is under way: uvicorn's way
+            super().send_400_response(msg)
+        elif self._head_bytes > self._head_limit():  # h11 gave up on an incomplete head this large
+            self._refuse(431, f"the request line and headers are larger than {self._head_limit()} bytes")
+        else:
+            self._refuse(400, "the request is not valid HTTP/1.1")
+
+    def _head_limit(self) -> int:
+        return self.config.h11_max_incomplete_event_size or DEFAULT_MAX_INCOMPLETE_EVENT_SIZE
+
+    def _head_too_large(self, data: bytes) -> bool:
+        """Whether the head, with ``data``, is over the limit. h11 only limits a head still incomplete after a
+        read: one that arrives whole in a single read (10,000 headers in 110 kB) would be parsed at any size."""
+        window = self._head_tail + data
+        ends = [at for at in (window.find(b"\n\n"), window.find(b"\n\r\n")) if at >= 0]  # h11 takes both
+        size = self._head_bytes - len(self._head_tail) + (min(ends) if ends else len(window))
+        self._head_tail = window[-2:]
+        return size > self._head_limit()
+
+    def _refuse(self, status: int, message: str) -> None:
+        """Answer ``status`` with an OpenAI error, drop what the client still sends for a moment, then close."""
+        code = "request_header_fields_too_large" if status == 431 else "invalid_http_request"
+        self._disarm_head_timer()
+        self.transport.write(_raw_response(status, message, code))
+        self._linger_bytes = 0
+        self._linger_timer = self.loop.call_later(_LINGER_SECONDS, self.transport.close)
 
     def _arm_head_timer(self) -> None:
         self._disarm_head_timer()
         self._head_bytes = 0
+        self._head_tail = b""
         self._head_timer = self.loop.call_later(self.header_timeout, self._head_timed_out)
 
     def _disarm_head_timer(self) -> None:
@@ -91,7 +143,7 @@ class HeaderTimeoutH11Protocol(H11Protocol):
             logger.info(
                 "closing a connection from %s: no complete request head in %.0f s", self.client, self.header_timeout
             )
-            self.transport.write(_raw_response(408, "the request head did not arrive in time"))
+            self.transport.write(_raw_response(408, "the request head did not arrive in time", "request_timeout"))
         self.transport.close()
 
 
@@ -222,10 +274,11 @@ def _closing(error: OpenAIError):
     return error.response()
 
 
-def _raw_response(status: int, message: str) -> bytes:
-    body = json.dumps(OpenAIError(status, message, code="request_timeout").body()).encode()
+def _raw_response(status: int, message: str, code: str) -> bytes:
+    """A whole HTTP/1.1 response with an OpenAI error body, for answers written below the ASGI app."""
+    body = json.dumps(OpenAIError(status, message, code=code).body()).encode()
     head = (
-        f"HTTP/1.1 {status} Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
-        f"content-length: {len(body)}\r\n\r\n"
+        f"HTTP/1.1 {status} {http.HTTPStatus(status).phrase}\r\ncontent-type: application/json\r\n"
+        f"connection: close\r\ncontent-length: {len(body)}\r\n\r\n"
     )
     return head.encode() + body

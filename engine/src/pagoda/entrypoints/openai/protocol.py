@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from typing import Annotated, Any, Optional, Union
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, WithJsonSchema, field_validator
+from pydantic.json_schema import SkipJsonSchema
 
 from pagoda.entrypoints.openai.errors import sampling_error
 from pagoda.entrypoints.openai.protocol_schemas import (
@@ -57,6 +58,13 @@ PASSED_FIELDS = (
 # Arguments the server itself passes to the chat template.
 RESERVED_TEMPLATE_KWARGS = frozenset(
     {"messages", "tools", "documents", "add_generation_prompt", "continue_final_message", "chat_template", "tokenize"}
+    # the rest of transformers' apply_chat_template arguments (return_dict=True would hand back a dict, not text)
+    | {"conversation", "padding", "truncation", "max_length", "return_tensors", "return_dict"}
+    | {"return_assistant_tokens_mask", "tokenizer_kwargs"}
+    # what transformers itself hands every template: the special tokens (a client's eos_token would change how
+    # the server's template ends each turn) and its helper functions
+    | {"bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token"}
+    | {"additional_special_tokens", "raise_exception", "strftime_now"}
 )
 
 
@@ -174,6 +182,17 @@ class _SamplingRequest(BaseModel):
     guided_regex: Optional[str] = None
     guided_choice: Optional[Annotated[list[str], Field(min_length=1)]] = None
     guided_grammar: Optional[str] = None
+    # vLLM's prompt_embeds are torch.save bytes in base64, which vLLM read with torch.load (a 2025 advisory: a
+    # crafted sparse tensor corrupts memory). This server takes text and token ids only: the field is refused, never
+    # decoded, and kept out of the OpenAPI document.
+    prompt_embeds: SkipJsonSchema[Any] = None
+
+    @field_validator("prompt_embeds", mode="before")
+    @classmethod
+    def _no_prompt_embeds(cls, value: object) -> None:
+        if value is not None:
+            raise ValueError("prompt_embeds is not supported: send the prompt as text or token ids")
+        return None
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -312,7 +331,9 @@ class ChatCompletionRequest(_SamplingRequest):
     def _template_kwargs(cls, value: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
         reserved = sorted(set(value or ()) & RESERVED_TEMPLATE_KWARGS)
         if reserved:
-            raise ValueError(f"chat_template_kwargs may not set {reserved}: use the request's own fields")
+            raise ValueError(
+                f"chat_template_kwargs may not set {reserved}: the server sets those itself (use the request's own fields)"
+            )
         return value
 
     def _output_fields(self, default_max_tokens: Optional[int]) -> tuple[Optional[int], Optional[int], dict[str, Any]]:

@@ -131,6 +131,7 @@ class _ThinkStreamer(ReasoningStreamer):
         self._strip_content_newlines = strip_content_newlines
         self._state = _START
         self._pending = ""  # start/reasoning: the few characters that may still be (part of) a tag
+        self._blank: list[str] = []  # start: the whitespace before _pending
         self._held: list[str] = []  # undecided: all of the text, joined once (repeated += would be quadratic)
         self._tail = ""  # undecided: the last characters held, so a </think> split across chunks is found
         self._finished = False
@@ -154,7 +155,7 @@ class _ThinkStreamer(ReasoningStreamer):
         self._finished = True
         if self._state == _START:
             # Only whitespace or a partial <think>: plain text, which untagged output is.
-            text, self._pending = self._pending, ""
+            text, self._pending, self._blank = "".join(self._blank) + self._pending, "", []
             return (text, "") if self._untagged_is_reasoning else ("", text)
         if self._state == _REASONING:
             text, self._pending = self._pending, ""
@@ -165,15 +166,21 @@ class _ThinkStreamer(ReasoningStreamer):
         return "", ""
 
     def _feed_start(self, delta: str) -> tuple[str, str]:
-        self._pending += delta
-        head = self._pending.lstrip()
+        # _pending holds the text from its first non-whitespace character (a partial <think> at most); the
+        # whitespace before it waits in _blank, so that a long run of it is not stripped again on every feed.
+        if self._pending:
+            head = self._pending + delta
+        else:
+            head = delta.lstrip()
+            self._blank.append(delta[: len(delta) - len(head)])
         if head.startswith(THINK_START):
-            self._pending = ""
+            self._pending, self._blank = "", []
             self._state = _REASONING
             return self._feed_reasoning(head[len(THINK_START) :])
         if THINK_START.startswith(head):
+            self._pending = head
             return "", ""  # only whitespace or a partial <think> so far
-        text, self._pending = self._pending, ""
+        text, self._pending, self._blank = "".join(self._blank) + head, "", []
         if self._untagged_is_reasoning:
             self._state = _REASONING
             return self._feed_reasoning(text)

@@ -254,6 +254,9 @@ class _MarkerStreamer(_DeferredStreamer):
     def __init__(self, parser: ToolParser, marker: str) -> None:
         super().__init__(parser)
         self._marker = marker
+        # Whitespace-only content held before anything else: kept aside rather than in ``_pending``, so that a
+        # long run of it (a model emitting blank lines) is not scanned again on every feed (quadratic).
+        self._blank: list[str] = []
 
     def _advance(self) -> str:
         at = self._pending.find(self._marker)
@@ -264,10 +267,15 @@ class _MarkerStreamer(_DeferredStreamer):
             # A partial marker at the end stays pending: it is never content if the marker completes.
             cut = len(self._pending) - partial_suffix_len(self._pending, self._marker)
             candidate, rest = self._pending[:cut], self._pending[cut:]
+        self._pending = rest
         if self._emitted == 0 and not candidate.strip():
             # Whitespace-only content before calls is reported as None, so it waits for real text (or finish()).
+            # (A marker never starts with whitespace, so none can begin inside what is set aside.)
             if self._in_section:
-                self._pending = ""
+                self._blank = []
+            else:
+                self._blank.append(candidate)
             return ""
-        self._pending = rest
+        if self._blank:
+            candidate, self._blank = "".join(self._blank) + candidate, []
         return candidate

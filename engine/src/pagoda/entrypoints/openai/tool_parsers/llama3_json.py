@@ -17,29 +17,49 @@ from pagoda.entrypoints.openai.tool_parsers.base import (
 
 
 class _LeadingJsonStreamer(_DeferredStreamer):
-    """For llama3_json: the output either opens with a JSON object (a call) or is content in full."""
+    """For llama3_json: the output either opens with a JSON object (a call) or is content in full.
+
+    While undecided, only the deciding head is kept (a partial tag, at most ``len(tag)`` characters): the
+    whitespace around it is held in ``_held`` and never scanned twice, so a long run of it stays linear."""
 
     def __init__(self, parser: ToolParser, tag: str) -> None:
         super().__init__(parser)
         self._tag = tag
         self._is_content = False
+        self._held: list[str] = []  # all text while undecided, joined once if it turns out to be content
+        self._head = ""  # a partial tag seen so far (after leading whitespace)
+        self._after_tag = False
 
     def _advance(self) -> str:
         if not self._is_content:
-            head = self._pending.lstrip()
-            if head.startswith(self._tag):
-                head = head[len(self._tag) :].lstrip()
-            elif self._tag.startswith(head):
-                return ""  # only whitespace or a partial tag so far: undecided
-            if not head:
-                return ""
-            if head.startswith("{"):
-                self._in_section = True
-                self._pending = ""
+            delta, self._pending = self._pending, ""
+            self._held.append(delta)
+            decision = self._decide(delta)
+            if decision is None:
+                return ""  # only whitespace or a partial tag so far
+            if decision == "call":
+                self._in_section, self._held = True, []
                 return ""
             self._is_content = True
+            self._pending, self._held = "".join(self._held), []
         content, self._pending = self._pending, ""
         return content
+
+    def _decide(self, delta: str) -> Optional[str]:
+        """ "call" or "content" once the text so far shows which, else None."""
+        if self._after_tag:
+            text = delta.lstrip()
+        else:
+            text = self._head + delta if self._head else delta.lstrip()
+            if text.startswith(self._tag):
+                self._after_tag, self._head = True, ""
+                text = text[len(self._tag) :].lstrip()
+            elif self._tag.startswith(text):
+                self._head = text
+                return None
+        if not text:
+            return None
+        return "call" if text.startswith("{") else "content"
 
 
 class Llama3JsonToolParser(ToolParser):

@@ -15,7 +15,11 @@ from pagoda.entrypoints.openai.tool_parsers.base import (
 
 # A v11+ call: the name, an optional [CALL_ID]<id> (v13 templates, the id is replaced by ours), an optional
 # [ARGS] (absent when the tokenizer drops special tokens while decoding), then the JSON arguments.
-_MISTRAL_CALL_HEAD = re.compile(r"\s*([A-Za-z0-9_.\-]+)\s*(?:\[CALL_ID\]\s*[A-Za-z0-9]+\s*)?(?:\[ARGS\])?\s*(?=\{)")
+# Every repeat is possessive (``*+``, ``++``): no run of the name or of whitespace can match two ways, and
+# backtracking into adjacent ``\s*`` runs made a long whitespace run in model output quadratic (100 kB: 45 s).
+_MISTRAL_CALL_HEAD = re.compile(
+    r"\s*+([A-Za-z0-9_.\-]++)\s*+(?:\[CALL_ID\]\s*+[A-Za-z0-9]++\s*+)?(?:\[ARGS\])?\s*+(?=\{)"
+)
 
 
 class MistralToolParser(MarkerToolParser):
