@@ -1,9 +1,12 @@
 """Compiling structured-output specs into xgrammar grammars, off the engine thread and cached by spec.
 
 xgrammar compiles in native code without holding the GIL (measured: the engine thread keeps running with
-sub-millisecond gaps), so one compile thread is enough to keep compilation out of every step. Results are
-cached by the spec's key: the second request with a schema gets an already-finished future. Failed specs
-are cached too (the same spec fails the same way) and reported as ``ValueError`` naming the field.
+sub-millisecond gaps). Compiles run on a small pool of threads (:class:`~pagoda.structured_output.pool.CompilePool`):
+one that runs past its caller's time limit is abandoned (see :meth:`StructuredOutputCompiler.forget`), so a
+pathological spec delays nobody else, and while too many abandoned compiles are still burning CPU new specs are
+refused (:class:`CompileQueueFull`). Results are cached by the spec's key, bounded in entries and bytes: the
+second request with a schema gets an already-finished future. Failed specs are cached too (the same spec fails
+the same way) and reported as ``ValueError`` naming the field.
 """
 
 from __future__ import annotations
@@ -12,17 +15,20 @@ import json
 import logging
 import os
 import re
-import threading
-from collections import OrderedDict
 from collections.abc import Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any, Optional
 
-from pagoda.structured_output.params import StructuredOutputsParams
+from pagoda.structured_output.params import MAX_SCHEMA_DEPTH, StructuredOutputsParams, depth_exceeds
+from pagoda.structured_output.pool import CompilePool, GrammarCache
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_CACHE_SIZE = 512  # compiled specs kept (a compiled JSON grammar is tens to hundreds of KiB)
+# Bytes of compiled grammars kept: one 10,000-value enum alone compiles to ~26 MB (measured, a 457-token vocab).
+DEFAULT_CACHE_BYTES = 256 * 1024 * 1024
+DEFAULT_COMPILE_WORKERS = 2  # compiles at once: a slow one leaves the other worker to the rest
+DEFAULT_MAX_ABANDONED = 2  # compiles past their time limit still running; beyond it new specs are refused
 DEFAULT_MAX_WHITESPACE = 0  # longest whitespace run between JSON tokens; 0: compact JSON (", " and ": ")
 
 
@@ -42,11 +48,14 @@ class StructuredOutputCompiler:
         stop_token_ids: Iterable[int],
         max_whitespace: int = DEFAULT_MAX_WHITESPACE,
         cache_size: int = DEFAULT_CACHE_SIZE,
+        cache_bytes: int = DEFAULT_CACHE_BYTES,
+        workers: int = DEFAULT_COMPILE_WORKERS,
+        max_abandoned: int = DEFAULT_MAX_ABANDONED,
     ) -> None:
         import xgrammar as xgr  # 2 s to import: only engines that serve structured outputs pay it
 
-        if max_whitespace < 0 or cache_size < 1:
-            raise ValueError("max_whitespace must be >= 0 and cache_size >= 1")
+        if max_whitespace < 0:
+            raise ValueError("max_whitespace must be >= 0")
         self._xgr = xgr
         self.vocab_size = vocab_size
         self.max_whitespace = max_whitespace
@@ -57,47 +66,82 @@ class StructuredOutputCompiler:
         # compile may use half the cores (8 at most): the other half stays with the engine's step.
         threads = max(1, min(8, (os.cpu_count() or 2) // 2))
         self._compiler = xgr.GrammarCompiler(info, max_threads=threads, cache_enabled=False)
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
-        self._cache: OrderedDict[tuple, Future] = OrderedDict()
-        self._cache_size = cache_size
-        self._lock = threading.Lock()
+        self._cache = GrammarCache(cache_size, cache_bytes)
+        self._pool = CompilePool(workers, max_abandoned)
+
+    def configure(
+        self, cache_size: Optional[int] = None, cache_bytes: Optional[int] = None, max_abandoned: Optional[int] = None
+    ) -> None:
+        """Change the cache bounds or the abandoned-compile limit (the server's flags); None keeps a value."""
+        if max_abandoned is not None and max_abandoned < 1:
+            raise ValueError("max_abandoned must be >= 1")
+        cache = self._cache
+        cache.set_bounds(cache_size or cache.max_entries, cache_bytes or cache.max_bytes)
+        if max_abandoned is not None:
+            self._pool.max_abandoned = max_abandoned
 
     def compile(self, params: StructuredOutputsParams, max_pending: Optional[int] = None) -> Future:
         """A future of the compiled grammar; its exception is a ValueError naming what is wrong.
 
-        With ``max_pending``, a spec that is not cached yet is refused (:class:`CompileQueueFull`) while that
-        many compiles are queued or running: the compile thread is shared, and a flood of slow specs must not
-        make every later request wait behind it."""
+        A spec that is not cached yet is refused (:class:`CompileQueueFull`) while too many abandoned compiles
+        still run, and with ``max_pending`` while that many compiles are queued or running: a flood of slow specs
+        must not make every later request wait behind it."""
         key = params.key
-        with self._lock:
+        with self._cache.lock:
             future = self._cache.get(key)
             if future is not None:
-                self._cache.move_to_end(key)
                 return future
+            if self._pool.saturated:
+                raise CompileQueueFull(
+                    f"{self._pool.num_abandoned} output constraints that ran past their time limit are still compiling "
+                    f"(--max-abandoned-compiles {self._pool.max_abandoned})"
+                )
             if max_pending is not None and self.num_pending >= max_pending:
                 raise CompileQueueFull(f"{self.num_pending} output constraints are compiling")
-            future = self._executor.submit(self._compile, params)
-            self._cache[key] = future
-            while len(self._cache) > self._cache_size:
-                self._cache.popitem(last=False)
+            future = self._pool.submit(self._compile, params)
+            self._cache.put(key, future)
         return future
 
     @property
     def num_pending(self) -> int:
-        """Compiles queued or running."""
-        return sum(1 for future in self._cache.values() if not future.done())
+        """Compiles queued or running (abandoned ones not included)."""
+        return self._cache.num_pending
+
+    @property
+    def num_abandoned(self) -> int:
+        """Compiles abandoned by :meth:`forget` whose native call is still running."""
+        return self._pool.num_abandoned
+
+    @property
+    def cache_bytes(self) -> int:
+        """Bytes of the compiled grammars in the cache."""
+        return self._cache.num_bytes
+
+    @property
+    def cache_entries(self) -> int:
+        return len(self._cache)
 
     def forget(self, params: StructuredOutputsParams) -> bool:
-        """Cancel a compile that has not started and drop it from the cache (True if it was cancelled)."""
-        with self._lock:
+        """Give up on a spec whose caller ran out of time: a queued compile is cancelled and dropped from the
+        cache; a running one is abandoned, its future failing now with a ValueError that stays cached (the same
+        spec is refused at once next time, not compiled again). False if it had already finished."""
+        with self._cache.lock:
             future = self._cache.get(params.key)
-            if future is None or not future.cancel():
+            if future is None or future.done():
                 return False
-            del self._cache[params.key]
+            error = ValueError(
+                f"structured_outputs.{params.kind}: compiling this constraint took too long; simplify it"
+            )
+            if not self._pool.abandon(future, error):
+                return False
+            if future.cancelled():
+                self._cache.pop(params.key)
+            else:
+                logger.warning("abandoned a %s compile that ran past its time limit", params.kind)
             return True
 
     def shutdown(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        self._pool.shutdown()
 
     def _compile(self, params: StructuredOutputsParams) -> Any:
         kind = params.kind
@@ -117,8 +161,11 @@ class StructuredOutputCompiler:
             raise ValueError(f"structured_outputs.{kind} could not be compiled: {_first_line(exc)}") from None
 
     def _compile_json(self, params: StructuredOutputsParams) -> Any:
-        check_json_schema(params.schema, "structured_outputs.json")
-        check_enforceable(params.schema, "structured_outputs.json")
+        schema = params.schema
+        if depth_exceeds(schema, MAX_SCHEMA_DEPTH):  # before jsonschema's and xgrammar's recursion
+            raise ValueError(f"structured_outputs.json is nested more than {MAX_SCHEMA_DEPTH} levels deep.")
+        check_json_schema(schema, "structured_outputs.json")
+        check_enforceable(schema, "structured_outputs.json")
         return self._compile_schema(params.json)
 
     def _compile_schema(self, schema: str) -> Any:

@@ -8,6 +8,9 @@ from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
+# Nesting of a JSON Schema's JSON (objects and arrays): real schemas stay far below it, and deeper ones would
+# overflow the recursion of json.dumps, jsonschema or xgrammar (a native stack overflow kills the process).
+MAX_SCHEMA_DEPTH = 128
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,9 +67,30 @@ def _canonical_schema(schema: Union[str, dict[str, Any]]) -> str:
             schema = json.loads(schema)
         except json.JSONDecodeError as exc:
             raise ValueError(f"structured_outputs.json is not valid JSON: {exc.msg} at position {exc.pos}.") from None
+        except RecursionError:
+            raise ValueError(f"structured_outputs.json is nested more than {MAX_SCHEMA_DEPTH} levels deep.") from None
     if isinstance(schema, bool):
         schema = {} if schema else {"not": {}}
     if not isinstance(schema, dict):
         raise ValueError("structured_outputs.json must be a JSON Schema object.")
-    # Not sorted: the order of "properties" is the order the output's keys come in.
-    return json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
+    # Not sorted: the order of "properties" is the order the output's keys come in. This runs on the event loop:
+    # json.dumps is C, while walking a schema in Python is not (2M nested lists: seconds), so the depth limit is
+    # checked where the schema compiles, and here only what json.dumps itself cannot take is refused.
+    try:
+        return json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
+    except RecursionError:
+        raise ValueError(f"structured_outputs.json is nested more than {MAX_SCHEMA_DEPTH} levels deep.") from None
+
+
+def depth_exceeds(value: Any, limit: int) -> bool:
+    """Whether objects and arrays nest deeper than ``limit`` (iterative: the value may be 10,000 levels deep)."""
+    stack = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else None
+        if children is None:
+            continue
+        if depth > limit:
+            return True
+        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
+    return False

@@ -31,7 +31,7 @@ from pagoda.engine.async_engine import AsyncLLMEngine
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.entrypoints.openai.asgi import HTTPMiddleware
 from pagoda.entrypoints.openai.auth import DEFAULT_EXEMPT_PATHS, ApiKeyMiddleware
-from pagoda.entrypoints.openai.defaults import ServerConfig
+from pagoda.entrypoints.openai.defaults import ServerConfig, ServerLimits
 from pagoda.entrypoints.openai.errors import install_error_handlers, not_found_model, service_unavailable
 from pagoda.entrypoints.openai.http_guards import BodyLimitMiddleware, RequestIdMiddleware, header_timeout_protocol
 from pagoda.entrypoints.openai.limits import AdmissionControl, RequestChecker
@@ -46,6 +46,7 @@ from pagoda.entrypoints.openai.protocol import (
 from pagoda.entrypoints.openai.reasoning_parsers import get_reasoning_parser
 from pagoda.entrypoints.openai.serving import OpenAIServing
 from pagoda.entrypoints.openai.serving_chat import ChatOptions
+from pagoda.entrypoints.openai.structured_request import configure_compiler
 from pagoda.entrypoints.openai.tokenizer_pool import TokenizerPool, TokenizerSpec
 from pagoda.entrypoints.openai.tool_parsers import get_tool_parser
 from pagoda.lora.sources import default_allowed_roots
@@ -129,7 +130,10 @@ class ServerState:
             )
             # xgrammar takes seconds to import: load it now, off the request path, not on the first request.
             threading.Thread(
-                target=_warm_up_structured_outputs, args=(engine,), name="grammar-warmup", daemon=True
+                target=_warm_up_structured_outputs,
+                args=(engine, self.config.limits),
+                name="grammar-warmup",
+                daemon=True,
             ).start()
             self.engine = async_engine
             logger.info("model %s loaded; ready", self.model_name)
@@ -237,10 +241,11 @@ def build_app(config: ServerConfig) -> FastAPI:
     return app
 
 
-def _warm_up_structured_outputs(engine: LLMEngine) -> None:
+def _warm_up_structured_outputs(engine: LLMEngine, limits: ServerLimits) -> None:
     # A tokenizer xgrammar cannot read is logged once; requests that ask for structured outputs get a 400 saying why.
+    # The cache and abandon bounds apply from here on (a request that came first compiled under the defaults).
     with contextlib.suppress(ValueError):
-        engine.structured_output_compiler()
+        configure_compiler(engine.structured_output_compiler(), limits)
 
 
 def chat_options(config: ServerConfig) -> ChatOptions:

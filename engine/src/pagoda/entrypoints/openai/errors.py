@@ -78,12 +78,13 @@ def not_found_model(name: str, available: Sequence[str]) -> OpenAIError:
     )
 
 
-def too_many_requests(retry_after_s: float) -> OpenAIError:
-    """429 when the waiting queue is full; ``Retry-After`` is whole seconds (HTTP does not allow fractions)."""
+def too_many_requests(retry_after_s: float, why: Optional[str] = None) -> OpenAIError:
+    """429 when the waiting queue (or ``why``: another bounded resource) is full; ``Retry-After`` is whole seconds
+    (HTTP does not allow fractions)."""
     seconds = max(1, math.ceil(retry_after_s)) if math.isfinite(retry_after_s) else 1
     return OpenAIError(
         429,
-        f"The server is overloaded: too many requests are waiting. Retry after {seconds} s.",
+        f"The server is overloaded: {why or 'too many requests are waiting'}. Retry after {seconds} s.",
         type="rate_limit_error",
         code="rate_limit_exceeded",
         headers={"Retry-After": str(seconds)},

@@ -102,9 +102,10 @@ class ServingBase:
 
     async def compile_structured_output(self, spec: Optional[StructuredOutputsParams], field: Optional[str]) -> None:
         """Compile a request's constraint before it is submitted, so that one the engine cannot compile is a
-        400 naming ``field`` (streamed or not) and the engine finds it compiled. The compile thread is shared
-        and cannot be interrupted: a request whose compile takes longer than the limit gets a 400, and the
-        grammar is still cached when it finishes."""
+        400 naming ``field`` (streamed or not) and the engine finds it compiled. A request whose compile takes
+        longer than the limit gets a 400 and its compile is abandoned (its worker is replaced; the failure is
+        cached, so the same spec is refused at once); while ``--max-abandoned-compiles`` run on, new constraints
+        get a 429."""
         if spec is None:
             return
         self.checker.check_structured_output(spec_chars(spec), field)
@@ -118,10 +119,10 @@ class ServingBase:
             )
         except ValueError as exc:
             raise compile_error(exc, field) from None
-        except CompileQueueFull:
-            raise too_many_requests(1) from None
+        except CompileQueueFull as exc:
+            raise too_many_requests(1, str(exc)) from None
         except TimeoutError:
-            engine.structured_output_compiler().forget(spec)  # still queued: never compile it
+            engine.structured_output_compiler().forget(spec)  # never compile it (queued) or abandon it (running)
             raise bad_request(
                 f"{field}: compiling this constraint took longer than {limits.structured_output_compile_timeout:g} s;"
                 " simplify it",

@@ -7,10 +7,14 @@ thing; a request may use one of them. Every error is a 400 naming the field it i
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from pagoda.entrypoints.openai.errors import OpenAIError, bad_request
 from pagoda.structured_output.params import StructuredOutputsParams
+
+if TYPE_CHECKING:
+    from pagoda.entrypoints.openai.defaults import ServerLimits
+    from pagoda.structured_output.compiler import StructuredOutputCompiler
 
 RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
 _GUIDED_FIELDS = {
@@ -92,6 +96,16 @@ def _build(field: str, **kwargs: Any) -> StructuredOutputsParams:
     except (TypeError, ValueError) as exc:
         message = str(exc).replace("structured_outputs", field, 1) if field != "structured_outputs" else str(exc)
         raise bad_request(message, field) from None
+
+
+def configure_compiler(compiler: StructuredOutputCompiler, limits: ServerLimits) -> None:
+    """Apply the server's flags (a ``ServerLimits``) to an engine's ``StructuredOutputCompiler``: the grammar
+    cache's bounds and the number of abandoned compiles allowed."""
+    compiler.configure(
+        cache_size=limits.structured_output_cache_entries,
+        cache_bytes=limits.structured_output_cache_bytes,
+        max_abandoned=limits.max_abandoned_compiles,
+    )
 
 
 def compile_error(exc: ValueError, field: Optional[str]) -> OpenAIError:
