@@ -2,6 +2,8 @@
 model, with fewer slots than adapters, under preemption, chunked prefill and prefix caching."""
 
 import shutil
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -16,6 +18,7 @@ from pagoda.core.kv_cache_manager import KVCacheManager
 from pagoda.core.scheduler import Scheduler
 from pagoda.engine.lora_requests import UnknownLoRAError
 from pagoda.lora import LoRARequest
+from pagoda.lora.reader import MAX_READS_IN_FLIGHT
 from pagoda.lora.sources import LoRAModule
 
 MAX_TOKENS = 12
@@ -179,6 +182,34 @@ def test_adapters_dropped_from_host_memory_are_read_again_and_a_vanished_one_fai
     # The request is told the adapter is unavailable (a 503 at the server), the registry keeps why for the status.
     assert "'a1' is unavailable" in finals["r1"].error and finals["r1"].error_unavailable
     assert "could not be read again" in engine.lora.read_error("a1")
+
+
+def test_when_every_reader_thread_is_stuck_the_adapters_requests_fail_alone_and_the_engine_goes_on(case) -> None:
+    """Reads stuck on a hung mount hold their threads; past MAX_READS_IN_FLIGHT a re-read is refused, and the
+    requests on that adapter fail (unavailable) instead of waiting, while the base model's are served."""
+    engine = case.llm(max_loras=1, max_cpu_loras=1).engine
+    for k in range(2):
+        engine.add_lora(LoRAModule(f"a{k}", str(case.adapters[k])))  # host memory keeps a1 only
+    mount = threading.Event()
+    for k in range(MAX_READS_IN_FLIGHT):  # other folders whose reads hang
+        engine.lora.reader.start(f"/hung/{k}", "stuck", mount.wait)
+    engine.add_request("on-a0", case.prompts[0], GREEDY, lora_name="a0")
+    engine.add_request("base", case.prompts[0], GREEDY)
+    finals = {}
+    while engine.has_unfinished_requests():
+        finals.update({o.request_id: o for o in engine.step() if o.finished})
+    assert finals["on-a0"].error_unavailable and "'a0' is unavailable" in finals["on-a0"].error
+    assert finals["base"].error is None
+    assert "adapter reads are still running" in engine.lora.read_error("a0")
+    mount.set()  # the mount answers again: a0 is read once more and served
+    deadline = time.monotonic() + 10
+    while engine.lora.reader.num_in_flight and time.monotonic() < deadline:
+        time.sleep(0.01)
+    engine.add_request("again", case.prompts[0], GREEDY, lora_name="a0")
+    while engine.has_unfinished_requests():
+        finals.update({o.request_id: o for o in engine.step() if o.finished})
+    assert finals["again"].outputs[0].token_ids == case.expected[0][0]
+    assert engine.lora.read_error("a0") is None
 
 
 def test_an_adapter_in_a_slot_runs_from_the_slot_even_after_host_memory_dropped_it(case, tmp_path) -> None:

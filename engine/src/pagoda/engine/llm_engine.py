@@ -164,7 +164,7 @@ class LLMEngine(LoRAEngineMixin):
             if self._compiling:  # only requests whose grammar is compiling: wait for one, briefly
                 wait([r.grammar.future for r in self._compiling.values()], _GRAMMAR_WAIT_S, FIRST_COMPLETED)
                 return grammar_failures
-            if self.lora_registry is not None and self.lora_registry.pending_reads():  # adapters being read
+            if self.lora_registry is not None and self.lora_registry.awaiting_reads:  # the next poll settles them
                 wait([r.future for r in self.lora_registry.pending_reads()], _GRAMMAR_WAIT_S, FIRST_COMPLETED)
                 return grammar_failures
             # start-up guarantees one max-length sequence fits, so work can always progress

@@ -229,6 +229,11 @@ class LoRARegistry:
             logger.warning("%s", message)
         return failed
 
+    @property
+    def awaiting_reads(self) -> bool:
+        """Whether requests may be waiting on an adapter read (running, or finished or refused but not yet polled)."""
+        return bool(self._rereads or self._refused)
+
     def pending_reads(self) -> list[Read]:
         """The background reads still running (the engine waits on them, briefly, when nothing else can run)."""
         return [r for r in self._rereads.values() if not r.future.done()]
