@@ -75,6 +75,14 @@ async def sample(beliefs: list[tuple[float, bool, bool]], a: Callable[[], bool],
         await asyncio.sleep(0.01)
 
 
+def kill_frozen(process: subprocess.Popen) -> None:
+    """Kill a leader subprocess the test may have left running or stopped (resumed first, then killed)."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGCONT)
+        process.kill()
+        process.wait(10)
+
+
 async def test_a_leader_behind_a_hung_api_server_stops_before_a_standby_takes_over(
     cluster: Cluster, proxy: SlowProxy, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -156,10 +164,7 @@ async def test_a_frozen_leader_writes_nothing_once_it_resumes(
         lease = await b.kube.get(b.path)
         assert lease is not None and lease["spec"]["holderIdentity"] == "op-b"
     finally:
-        if leader.poll() is None:
-            leader.send_signal(signal.SIGCONT)
-            leader.kill()
-            leader.wait(10)
+        kill_frozen(leader)
         await b.kube.close()
 
 
@@ -195,8 +200,5 @@ async def test_a_frozen_operator_replica_neither_reconciles_nor_patches_once_it_
         assert not [e for e in events if resource_version(e) > changed], "the resumed leader posted Events"
         assert "write refused" in log.read_text(), "the resumed leader did not even try to act"
     finally:
-        if leader.poll() is None:
-            leader.send_signal(signal.SIGCONT)
-            leader.kill()
-            leader.wait(10)
+        kill_frozen(leader)
         await b.kube.close()

@@ -36,6 +36,9 @@ from pagoda_operator.kube import KubeClient, KubeError, object_path
 
 logger = logging.getLogger(__name__)
 
+# The default renew deadline as a share of the lease: the last third is the margin before a standby may take over.
+RENEW_DEADLINE_FRACTION = 2 / 3
+
 
 class LeadershipLost(Exception):
     """A write refused because this replica may no longer act as the leader (its renew deadline has passed)."""
@@ -65,7 +68,7 @@ class LeaseElector:
 
     def __post_init__(self) -> None:
         if not self.renew_deadline:
-            self.renew_deadline = self.lease_seconds * 2 / 3
+            self.renew_deadline = self.lease_seconds * RENEW_DEADLINE_FRACTION
         if not self.retry_seconds < self.renew_deadline < self.lease_seconds:
             raise ValueError(
                 f"need retry_seconds < renew_deadline < lease_seconds, got {self.retry_seconds}, "

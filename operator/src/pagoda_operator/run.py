@@ -26,7 +26,7 @@ import kopf
 from aiohttp import web
 
 from pagoda_operator.kube import KubeClient
-from pagoda_operator.leader import LeaseElector, fence_kopf_writes
+from pagoda_operator.leader import RENEW_DEADLINE_FRACTION, LeaseElector, fence_kopf_writes
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if bool(args.namespace) == args.all_namespaces:
         parser.error("give --all-namespaces or at least one --namespace")
-    if not 0 < args.retry_seconds < args.lease_seconds * 2 / 3:  # the renew deadline: see leader.LeaseElector
+    if not 0 < args.retry_seconds < args.lease_seconds * RENEW_DEADLINE_FRACTION:  # see leader.LeaseElector
         parser.error("--retry-seconds must be below 2/3 of --lease-seconds, to renew before the deadline")
     return args
 
