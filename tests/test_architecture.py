@@ -26,12 +26,12 @@ MAX_SOURCE_LINES = 400
 # The engine's floors, top first. A module belongs to the floor of the longest prefix that names it.
 ENGINE_FLOORS: tuple[tuple[str, ...], ...] = (
     # the public facade (lazy exports), the command line and test-only helpers that no engine module imports
-    ("pagoda", "pagoda.cli", "pagoda.cli_serve", "pagoda.cli_models", "pagoda.testing"),
+    ("pagoda", "pagoda.cli", "pagoda.cli_serve", "pagoda.cli_models", "pagoda.testing", "pagoda.vllm_flags"),
     # the OpenAI server and the offline LLM class
     ("pagoda.entrypoints",),
     ("pagoda.metrics",),
-    # LLMEngine: scheduler, LoRA registry, output processing
-    ("pagoda.engine",),
+    # LLMEngine: scheduler, LoRA registry, output processing; the pooling engine (embeddings, scores: no KV cache)
+    ("pagoda.engine", "pagoda.pooling"),
     # Executor: one process or several; owns the worker processes, their death listeners and shutdown
     ("pagoda.executor",),
     # one Worker per rank and its ModelRunner (tensors, KV cache, sampler, LoRA device slots)
@@ -53,6 +53,7 @@ ENGINE_FLOORS: tuple[tuple[str, ...], ...] = (
         "pagoda.config",
         "pagoda.capabilities",
         "pagoda.model_config",
+        "pagoda.model_overrides",
         "pagoda.model_source",
         "pagoda.confined_paths",
         "pagoda.startup_failure",

@@ -118,9 +118,9 @@ def test_top_logprobs_requires_logprobs() -> None:
 @pytest.mark.parametrize(
     ("model", "payload", "param"),
     [
-        (CompletionRequest, {"prompt": "a", "logprobs": 21}, "logprobs"),
+        (CompletionRequest, {"prompt": "a", "prompt_logprobs": -1}, "prompt_logprobs"),
         (CompletionRequest, {"prompt": "a", "logprobs": -1}, "logprobs"),
-        (CompletionRequest, {"prompt": "a", "max_tokens": 0}, "max_tokens"),
+        (CompletionRequest, {"prompt": "a", "max_tokens": -1}, "max_tokens"),
         (CompletionRequest, {"prompt": "a", "n": 0}, "n"),
         (CompletionRequest, {"prompt": "a", "stop": 5}, "stop"),
         (CompletionRequest, {"prompt": "a", "stop": ["x", 1]}, "stop"),
@@ -128,7 +128,7 @@ def test_top_logprobs_requires_logprobs() -> None:
         (ChatCompletionRequest, {"messages": []}, "messages"),
         (ChatCompletionRequest, {"messages": [{"content": "no role"}]}, "messages.0.role"),
         (ChatCompletionRequest, {"messages": [{"role": 1, "content": "x"}]}, "messages.0.role"),
-        (ChatCompletionRequest, {"messages": MESSAGES, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        (ChatCompletionRequest, {"messages": MESSAGES, "logprobs": True, "top_logprobs": -1}, "top_logprobs"),
         (ChatCompletionRequest, {"messages": MESSAGES, "max_completion_tokens": 0}, "max_completion_tokens"),
         (TokenizeRequest, {}, "messages"),
         (TokenizeRequest, {"prompt": "a", "messages": MESSAGES}, "messages"),

@@ -335,7 +335,8 @@ def every_route() -> list[tuple[str, str]]:
 def test_every_route_but_the_public_ones_needs_the_key(keyed) -> None:
     _, _, documented = keyed.request("GET", "/openapi.json", headers={"Authorization": f"Bearer {KEY}"})
     routes = every_route()
-    assert set(documented["paths"]) <= {path for _, path in routes}  # the enumeration misses no served route
+    # the enumeration misses no served route (path parameters appear without their braces on both sides)
+    assert {p.replace("{", "").replace("}", "") for p in documented["paths"]} <= {path for _, path in routes}
     answers = {}
     for method, path in routes:
         if path in LEAD_OWNED_PATHS:

@@ -69,8 +69,10 @@ def test_completion_prompt_forms_n_echo_logprobs_and_stop(client):
     )
     assert [c.index for c in response.choices] == [0, 1, 2, 3]
     assert response.choices[0].text.startswith("Once upon a time")
-    assert len(response.choices[0].logprobs.tokens) == 4
-    assert all(len(top) >= 2 for top in response.choices[0].logprobs.top_logprobs)
+    # echo: the logprobs cover the prompt's 5 tokens (the first one has none) and the 4 generated
+    assert len(response.choices[0].logprobs.tokens) == 5 + 4
+    assert response.choices[0].logprobs.token_logprobs[0] is None
+    assert all(len(top) >= 2 for top in response.choices[0].logprobs.top_logprobs[1:])
     stopped = client.completions.create(model=MODEL, prompt=[1], max_tokens=64, temperature=0, stop=["Lily"])
     assert stopped.choices[0].text == "Once upon a time, there was a little girl named "
     assert stopped.choices[0].finish_reason == "stop"

@@ -43,6 +43,8 @@ LORA_RANKS = (8, 16, 32, 64, 128, 256)  # the slot widths --max-lora-rank takes 
 DEFAULT_MAX_LORAS = 4  # --max-loras
 DEFAULT_MAX_LORA_RANK = 16  # --max-lora-rank
 DEVICES = ("cpu", "cuda")
+# --task: generate text, or pool it (pagoda.pooling: embeddings, relevance scores; no KV cache, no LoRA)
+TASKS = ("generate", "embed", "score")
 
 
 def capabilities(serve_parser: argparse.ArgumentParser) -> dict[str, Any]:
@@ -78,6 +80,7 @@ def capabilities(serve_parser: argparse.ArgumentParser) -> dict[str, Any]:
             "builtin_model": builtin_model_geometry(),
         },
         "chat_template": True,
+        "tasks": list(TASKS),
         "serve_flags": serve_flags(serve_parser),
     }
 

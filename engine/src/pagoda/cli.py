@@ -14,6 +14,7 @@ from typing import Optional
 from pagoda.cli_models import add_engine_args, add_model_commands, engine_args_from
 from pagoda.cli_serve import add_serve_args, run_serve
 from pagoda.startup_failure import report_startup_failure
+from pagoda.vllm_flags import expand_config_file
 
 
 def _generate(ns: argparse.Namespace) -> int:
@@ -101,9 +102,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse_args(parser: argparse.ArgumentParser, argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    """The parsed command line; ``pagoda serve --config FILE`` reads the file's flags first (the command line wins).
+    ValueError for a file that cannot be read or names unknown flags."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0] == "serve":
+        args = ["serve", *expand_config_file(args[1:], _subcommand(parser, "serve"))]
+    return parser.parse_args(args)
+
+
+def _subcommand(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    return next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[name]
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
-    ns = parser.parse_args(argv)
+    try:
+        ns = parse_args(parser, argv)
+    except ValueError as exc:
+        print(f"pagoda: error: {exc}", file=sys.stderr)
+        return 2
     logging.basicConfig(
         level=ns.log_level.upper(), stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

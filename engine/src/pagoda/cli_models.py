@@ -66,8 +66,9 @@ def _download(ns: argparse.Namespace) -> int:
 
 def _capabilities(ns: argparse.Namespace, serve: argparse.ArgumentParser) -> int:
     from pagoda.capabilities import capabilities
+    from pagoda.vllm_flags import flag_table
 
-    data = capabilities(serve)
+    data = capabilities(serve) | {"vllm_flags": flag_table()}
     print(json.dumps(data, sort_keys=True) if ns.json else json.dumps(data, indent=2, sort_keys=True))
     sys.stdout.flush()
     return 0

@@ -9,11 +9,14 @@ from pagoda import capabilities as caps
 from pagoda.cli_models import engine_args_from
 from pagoda.entrypoints.openai.defaults import ServerConfig
 from pagoda.options import add_options, from_namespace
+from pagoda.vllm_flags import add_vllm_args, apply_vllm_args
 
 
 def add_serve_args(serve: argparse.ArgumentParser) -> None:
-    """``pagoda serve``'s own flags: one per field of ``ServerConfig`` and of its ``ServerLimits``."""
+    """``pagoda serve``'s own flags: one per field of ``ServerConfig`` and of its ``ServerLimits``; then the
+    ``vllm serve`` flags Pagoda has no option of its own for (see :mod:`pagoda.vllm_flags`)."""
     add_options(serve, ServerConfig)
+    add_vllm_args(serve)
 
 
 def run_serve(ns: argparse.Namespace) -> int:
@@ -21,6 +24,7 @@ def run_serve(ns: argparse.Namespace) -> int:
     from pagoda.entrypoints.openai.api_server import run_server
     from pagoda.entrypoints.openai.auth import resolve_api_keys
 
+    apply_vllm_args(ns)
     _reject_unsupported(ns)
     api_keys = tuple(resolve_api_keys(ns.api_key or [], os.environ))
     config = from_namespace(ServerConfig, ns, engine_args=engine_args_from(ns), api_keys=api_keys)

@@ -6,6 +6,7 @@ Each field of :class:`EngineArgs` is also the ``pagoda generate`` / ``pagoda ser
 
 from __future__ import annotations
 
+import argparse
 import re
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -18,9 +19,11 @@ from pagoda.capabilities import (
     KV_CACHE_DTYPES,
     LORA_RANKS,
     QUANTIZATION_DEVICES,
+    TASKS,
     TENSOR_PARALLEL_MAX,
     builtin_model_path,
 )
+from pagoda.model_overrides import check_overrides, json_object_flag
 from pagoda.options import option
 
 DEFAULT_BLOCK_SIZE = 16
@@ -35,7 +38,10 @@ DEFAULT_DISTRIBUTED_TIMEOUT_S = 60.0
 DTYPE_CHOICES = ("auto", "float32", "float", "bfloat16", "float16", "half")  # float, half: aliases
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 GENERATION_CONFIGS = ("auto", "vllm")
+SCHEDULING_POLICIES = ("fcfs", "priority")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+RUNNERS = ("auto", "generate", "pooling")
+CONVERTS = ("auto", "none", "embed", "classify", "score")
 MODEL_HELP = (
     "a local model directory, a Hugging Face id (org/name or hf://org/name) or s3://bucket/prefix "
     "(default: the built-in stories260K)"
@@ -58,6 +64,15 @@ def parse_size(value: Union[int, str]) -> int:
     if size <= 0:
         raise ValueError(f"size must be positive, got {value!r}")
     return size
+
+
+def parse_token_count(value: str) -> int:
+    """A token count as vLLM writes it: ``4096``, ``32k`` (32000) or ``32K`` (32768); also m/M."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmM]?)\s*", value)
+    if match is None:
+        raise argparse.ArgumentTypeError(f"cannot parse {value!r} as a token count such as 4096, 32k or 32K")
+    unit = {"": 1, "k": 1000, "K": 1024, "m": 1000**2, "M": 1024**2}[match.group(2)]
+    return int(float(match.group(1)) * unit)
 
 
 def check_quantization_tensor_parallel(
@@ -103,7 +118,9 @@ class EngineArgs:
     )
     dtype: str = option("auto", "weights and activations; auto: the checkpoint's dtype", choices=DTYPE_CHOICES)
     device: str = option("auto", "auto: CUDA when available", choices=DEVICE_CHOICES)
-    max_model_len: Optional[int] = option(None, "default: the model's max_position_embeddings")
+    max_model_len: Optional[int] = option(
+        None, "default: the model's max_position_embeddings; 32k = 32000, 32K = 32768", type=parse_token_count
+    )
     block_size: int = option(DEFAULT_BLOCK_SIZE, "tokens per KV block")
     kv_cache_memory: Union[None, int, str] = option(
         None, "CPU KV cache budget, e.g. 2GiB (default: 4GiB, or less if max-num-seqs full sequences need less)"
@@ -118,14 +135,20 @@ class EngineArgs:
     enable_prefix_caching: bool = option(True, "reuse cached KV blocks")
     enable_chunked_prefill: bool = option(True, "split long prompts over steps so decodes keep flowing")
     seed: int = option(0, "seeds the engine's RNG (unseeded requests)")
+    scheduling_policy: str = option(
+        "fcfs",
+        "fcfs: requests run in arrival order; priority: by the request's priority (lower first, ties by "
+        "arrival), and memory pressure preempts the lowest-priority running request",
+        choices=SCHEDULING_POLICIES,
+    )
     # Inline from Python; on the command line also the path of a template file.
     chat_template: Optional[str] = option(
         None, "a Jinja chat template (file path or inline)", parse=_chat_template_flag
     )
     generation_config: str = option(
         "auto",
-        "auto: the model's generation_config.json sets default sampling params; vllm: ignore it",
-        choices=GENERATION_CONFIGS,
+        "auto: the model's generation_config.json sets default sampling params; vllm: ignore it; a folder: "
+        "the generation_config.json in it instead of the model's",
     )
     attention_backend: str = option(
         "auto", "attention kernels; auto: triton on CUDA, torch on CPU", choices=ATTENTION_BACKENDS
@@ -141,13 +164,28 @@ class EngineArgs:
     kv_cache_dtype: str = option(
         "auto",
         "auto: the model's dtype; fp8_e4m3 / fp8_e5m2: FP8 KV blocks (twice the tokens; per-tensor scales from "
-        "the checkpoint, else 1.0)",
-        choices=KV_CACHE_DTYPES,
+        "the checkpoint, else 1.0); fp8: vLLM's name of fp8_e4m3",
+        choices=(*KV_CACHE_DTYPES, "fp8"),
+        parse=lambda value: "fp8_e4m3" if value == "fp8" else value,
     )
     structured_output_max_whitespace: int = option(
         0,
         "structured outputs: longest run of free whitespace between JSON tokens; 0 (default): JSON as "
         "json.dumps writes it, which no model can pad with whitespace until max_tokens",
+    )
+    # What the model serves (see pagoda.pooling): generate text, or pool it into embeddings / relevance scores.
+    task: str = option(
+        "generate",
+        "generate: text (completions, chat); embed: /v1/embeddings; score: /v1/score and /v1/rerank (a reranker "
+        "or cross-encoder). No KV cache is built for embed and score",
+        choices=TASKS,
+    )
+    runner: str = option("auto", "vLLM's spelling: pooling is --task embed or score (see --convert)", choices=RUNNERS)
+    convert: str = option(
+        "auto",
+        "vLLM's spelling, with --runner pooling: embed, or classify/score (--task score); auto: the model's "
+        "architecture decides (…ForSequenceClassification and rerankers score, others embed)",
+        choices=CONVERTS,
     )
     # LoRA adapters (see pagoda.lora): off unless enabled; the slots and caches are sized here.
     enable_lora: bool = option(False, "serve LoRA adapters next to the base model")
@@ -177,6 +215,19 @@ class EngineArgs:
         DEFAULT_DISTRIBUTED_TIMEOUT_S,
         "tensor parallelism: a rank that does not reach a collective within this time (dead or hung) stops "
         "the engine, and the server exits non-zero",
+    )
+    # vLLM's JSON overrides (see pagoda.model_overrides: keys the engine cannot honour are refused at start)
+    hf_overrides: Optional[dict] = option(
+        None,
+        "a JSON object merged over the model's config.json (context length, RoPE, rms_norm_eps, special tokens, "
+        "sliding windows; keys that would not match the weights are refused)",
+        parse=json_object_flag("--hf-overrides"),
+    )
+    override_generation_config: Optional[dict] = option(
+        None,
+        "a JSON object merged over the model's generation_config.json defaults (temperature, top_p, top_k, min_p, "
+        "repetition_penalty)",
+        parse=json_object_flag("--override-generation-config"),
     )
 
     @property
@@ -213,8 +264,10 @@ class EngineArgs:
             self.kv_cache_memory = parse_size(self.kv_cache_memory)
         if self.device not in DEVICE_CHOICES:
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
-        if self.generation_config not in GENERATION_CONFIGS:
-            raise ValueError(f"generation_config must be 'auto' or 'vllm', got {self.generation_config!r}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
+        if self.generation_config not in GENERATION_CONFIGS and not Path(self.generation_config).is_dir():
+            raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder, got {self.generation_config!r}")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ValueError(
                 f"quantization {self.quantization!r} is not supported (supported: {', '.join(QUANTIZATIONS)})"
@@ -227,6 +280,10 @@ class EngineArgs:
             )
         self._validate_lora()
         self._validate_parallelism()
+        check_overrides(self.hf_overrides, self.override_generation_config)
+        self._validate_task()
+        if self.hf_overrides and self.task != "generate":  # after --runner/--convert set the task
+            raise ValueError(f"--hf-overrides is not supported with --task {self.task} yet (text generation only)")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")
 
@@ -243,6 +300,21 @@ class EngineArgs:
         check_quantization_tensor_parallel(self.quantization, self.tensor_parallel_size)
         if self.distributed_timeout_seconds <= 0:
             raise ValueError(f"distributed_timeout_seconds must be positive, got {self.distributed_timeout_seconds}")
+
+    def _validate_task(self) -> None:
+        """Map vLLM's ``--runner pooling`` / ``--convert`` onto ``task``; refuse spellings that contradict it."""
+        for name, choices in (("task", TASKS), ("runner", RUNNERS), ("convert", CONVERTS)):
+            if getattr(self, name) not in choices:
+                raise ValueError(f"{name} must be one of {', '.join(choices)}, got {getattr(self, name)!r}")
+        converted = {"embed": "embed", "classify": "score", "score": "score"}.get(self.convert)
+        pooling = self.runner == "pooling" or converted is not None
+        if self.runner == "generate" and (self.task != "generate" or converted is not None):
+            raise ValueError("--runner generate serves text: drop --task/--convert, or use --runner pooling")
+        if pooling and self.task != "generate" and converted not in (None, self.task):
+            raise ValueError(f"--convert {self.convert} contradicts --task {self.task}")
+        if pooling and self.task == "generate":
+            # --convert auto: embed unless the architecture says score (see pagoda.pooling.resolve_task).
+            self.task = converted or "embed"
 
     def _validate_lora(self) -> None:
         if self.max_loras < 1:
@@ -266,6 +338,7 @@ class SchedulerConfig:
     max_model_len: int
     enable_chunked_prefill: bool
     max_loras: int = 0  # distinct adapters one step may hold; 0: LoRA is off
+    scheduling_policy: str = "fcfs"  # fcfs or priority (see pagoda.core.request_queue)
 
     @staticmethod
     def from_args(args: EngineArgs, max_model_len: int) -> SchedulerConfig:
@@ -281,4 +354,11 @@ class SchedulerConfig:
                 f"without chunked prefill, max_num_batched_tokens ({budget}) must be at least "
                 f"max_model_len ({max_model_len}) so that every prompt fits in one step"
             )
-        return SchedulerConfig(args.max_num_seqs, budget, max_model_len, args.enable_chunked_prefill, args.lora_slots)
+        return SchedulerConfig(
+            args.max_num_seqs,
+            budget,
+            max_model_len,
+            args.enable_chunked_prefill,
+            args.lora_slots,
+            args.scheduling_policy,
+        )

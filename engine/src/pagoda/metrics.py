@@ -36,6 +36,9 @@ REQUEST_LATENCY_BUCKETS = [
 ]  # fmt: skip
 ITERATION_TOKEN_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
 FINISH_REASONS = ("stop", "length", "abort", "error")
+# The ``priority`` label of the by-priority gauges: -1, 0 and 1 (high, default, low) as themselves, every other value
+# in "<-1" or ">1", so the label has five values whatever priorities clients send (vLLM's proposal, #58077).
+PRIORITY_LABELS = ("<-1", "-1", "0", "1", ">1")
 DEFAULT_MAX_TOKENS_BUCKET = 65536
 
 
@@ -82,6 +85,22 @@ class _WithoutCreated:
                 yield family
 
 
+def priority_label(priority: int) -> str:
+    """The bucket of ``PRIORITY_LABELS`` a request priority is counted in."""
+    if priority < -1:
+        return "<-1"
+    if priority > 1:
+        return ">1"
+    return str(priority)
+
+
+def _by_priority_label(counts: Iterable[tuple[int, int]]) -> dict[str, int]:
+    labels = dict.fromkeys(PRIORITY_LABELS, 0)
+    for priority, count in counts:
+        labels[priority_label(priority)] += count
+    return labels
+
+
 def _gauge(name: str, documentation: str, *extra_labels: str) -> Gauge:
     return Gauge(name, documentation, ["model_name", *extra_labels], registry=None)
 
@@ -126,6 +145,13 @@ class EngineMetrics:
             "vllm:num_requests_running", "Number of requests in model execution batches."
         )
         self.num_requests_waiting = _gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.")
+        # Pagoda's own (vLLM exports no priority breakdown): the two gauges above by request priority.
+        self.num_requests_running_by_priority = _gauge(
+            "pagoda:num_requests_running_by_priority", "Running requests by priority (bucketed).", "priority"
+        )
+        self.num_requests_waiting_by_priority = _gauge(
+            "pagoda:num_requests_waiting_by_priority", "Waiting requests by priority (bucketed).", "priority"
+        )
         self.kv_cache_usage_perc = _gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
         self.prefix_cache_queries = _counter(
             "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens."
@@ -164,9 +190,13 @@ class EngineMetrics:
         self.cache_config_info.labels(model_name, str(block_size), str(num_blocks)).set(1)
         for reason in FINISH_REASONS:  # vLLM exposes every reason from the start, at 0
             self.request_success.labels(model_name, reason)
+        by_priority = (self.num_requests_running_by_priority, self.num_requests_waiting_by_priority)
+        for gauge in by_priority:
+            for label in PRIORITY_LABELS:
+                gauge.labels(model_name, label)
         metrics = [m for m in vars(self).values() if isinstance(m, (Counter, Gauge, Histogram))]
         for metric in metrics:
-            if metric is not self.cache_config_info and metric is not self.request_success:
+            if metric not in (self.cache_config_info, self.request_success, *by_priority):
                 metric.labels(model_name)  # so each series is exposed (at 0) before its first event
         if max_loras:
             # vLLM's: one series whose labels list the adapters running and waiting, set to the time it was last
@@ -190,6 +220,12 @@ class EngineMetrics:
         name = self.model_name
         self.num_requests_running.labels(name).set(stats.num_running)
         self.num_requests_waiting.labels(name).set(stats.num_waiting)
+        for gauge, counts in (
+            (self.num_requests_running_by_priority, stats.running_by_priority),
+            (self.num_requests_waiting_by_priority, stats.waiting_by_priority),
+        ):
+            for label, count in _by_priority_label(counts).items():
+                gauge.labels(name, label).set(count)
         self.kv_cache_usage_perc.labels(name).set(stats.kv_cache_usage)
         for key, counter, value in (
             ("prefix_cache_queries", self.prefix_cache_queries, stats.prefix_cache_queries),

@@ -4,8 +4,8 @@ A field made with :func:`option` carries an :class:`Option` in its metadata. :fu
 such a dataclass (a *table*: :class:`pagoda.config.EngineArgs`, ``pagoda serve``'s ``ServerConfig`` and
 ``ServerLimits``) into ``argparse`` arguments, in field order, and :func:`from_namespace` builds the dataclass back
 from the parsed command line. The flag is ``--field-name`` unless the option spells it otherwise; its argparse type
-is the field's annotation (``int`` or ``float``, optional or not; ``bool`` fields are switches), so that the name,
-the type and the default are each written once.
+is the field's annotation (``int`` or ``float``, optional or not; ``bool`` fields are ``--x`` / ``--no-x``
+switches, as ``vllm serve`` spells them), so that the name, the type and the default are each written once.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ class Option:
     nargs: Optional[str] = None
     positional: bool = False  # an optional positional argument (nargs "?") instead of a flag
     parse: Optional[Callable[[Any], Any]] = None  # the parsed command-line value -> the field's value
+    type: Optional[Callable[[str], Any]] = None  # argparse's type; None: from the field's annotation
 
     def names(self, field_name: str) -> list[str]:
         """What ``add_argument`` is given: the positional's name, or the flag's spellings."""
@@ -99,10 +100,11 @@ def from_namespace(table: type[Table], namespace: argparse.Namespace, **given: A
 def _argparse_settings(field: dataclasses.Field, spec: Option, hint: Any) -> dict[str, Any]:
     # A repeatable option starts as None: argparse appends to a fresh list, never to the field's default.
     settings: dict[str, Any] = {"default": None if spec.repeatable else field.default, "help": spec.help}
-    if hint is bool:
-        settings["action"] = argparse.BooleanOptionalAction if field.default else "store_true"
+    if hint is bool:  # --x and --no-x, as vllm serve spells its switches
+        settings["action"] = argparse.BooleanOptionalAction
         return settings
-    extra = {"type": _scalar_type(hint), "choices": spec.choices, "action": spec.action, "nargs": spec.nargs}
+    kind = spec.type or _scalar_type(hint)
+    extra = {"type": kind, "choices": spec.choices, "action": spec.action, "nargs": spec.nargs}
     if spec.positional:
         extra["nargs"] = "?"
     return settings | {key: value for key, value in extra.items() if value is not None}

@@ -65,6 +65,7 @@ class Request:
     sibling_generators: Optional[list[Optional[torch.Generator]]] = None  # for sequences 1..n-1
     lora_id: Optional[int] = None
     cache_salt: Optional[str] = None
+    priority: int = 0  # --scheduling-policy priority: lower runs first (ties by arrival); fcfs: always 0
     index: int = 0  # which of the parent's n sequences this is
     parent_id: Optional[str] = None  # the caller's request id (shared by the n sequences of a request)
     forked: bool = False  # True once an n > 1 request has been split into its sequences

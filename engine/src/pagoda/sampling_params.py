@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 from pagoda.structured_output.params import StructuredOutputsParams
 
@@ -63,6 +63,11 @@ class SamplingParams:
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # Constrain the output to a JSON Schema, any JSON object, a regex, a choice or a grammar (vLLM's name).
     structured_outputs: Optional[StructuredOutputsParams] = None
+    # vLLM's masks: only these token ids may be sampled; these words are never completed (see resolve_bad_words).
+    allowed_token_ids: Optional[list[int]] = None
+    bad_words: Optional[list[str]] = None
+    # The token sequences of ``bad_words``, set from the tokenizer when the engine takes the request.
+    bad_words_token_ids: Optional[list[list[int]]] = None
     # Normalised forms, derived in __post_init__.
     stop_strings: list[str] = field(default_factory=list, init=False)
     all_stop_token_ids: frozenset[int] = field(default_factory=frozenset, init=False)
@@ -158,11 +163,28 @@ class SamplingParams:
             "min_tokens cannot be combined with structured outputs: once the constrained output is complete only "
             "the end of the sequence is allowed, which min_tokens forbids.",
         )
+        self._validate_masks()
         for token_id, bias in (self.logit_bias or {}).items():
             _check(
                 -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS,
                 f"logit_bias for token {token_id} must be in [-100, 100], got {bias}.",
             )
+
+    def _validate_masks(self) -> None:
+        _check(
+            self.allowed_token_ids is None
+            or (
+                isinstance(self.allowed_token_ids, list)
+                and bool(self.allowed_token_ids)
+                and all(isinstance(t, int) and t >= 0 for t in self.allowed_token_ids)
+            ),
+            "allowed_token_ids must be a non-empty list of non-negative token ids.",
+        )
+        _check(
+            self.bad_words is None
+            or (isinstance(self.bad_words, list) and all(isinstance(w, str) and w.strip() for w in self.bad_words)),
+            "bad_words must be a list of non-blank strings.",
+        )
 
 
 def _parse_logit_bias(logit_bias: object) -> dict[int, float]:
@@ -198,7 +220,29 @@ def validate_for_vocab(params: SamplingParams, vocab_size: int) -> None:
     SamplingParams cannot check this alone; the engine calls it when a request arrives so a
     bad request is refused instead of failing a whole batch in the sampler.
     """
-    for name, ids in (("logit_bias", params.logit_bias or {}), ("stop_token_ids", params.stop_token_ids or [])):
+    for name, ids in (
+        ("logit_bias", params.logit_bias or {}),
+        ("stop_token_ids", params.stop_token_ids or []),
+        ("allowed_token_ids", params.allowed_token_ids or []),
+    ):
         bad = sorted(t for t in ids if not 0 <= t < vocab_size)
         if bad:
             raise ValueError(f"{name} has token ids outside the vocabulary (size {vocab_size}): {bad[:10]}.")
+
+
+def resolve_bad_words(params: SamplingParams, tokenizer: Any) -> None:
+    """Set ``params.bad_words_token_ids`` from ``params.bad_words``, as vLLM does: each word's tokens as written
+    (leading spaces stripped) and, with one leading space (the word mid-sentence), when that gives as many tokens
+    but a different first one. The sampler then forbids a sequence's last token wherever the output ends with the
+    tokens before it."""
+    if not params.bad_words or params.bad_words_token_ids is not None:
+        return
+    sequences: list[list[int]] = []
+    for word in params.bad_words:
+        plain = list(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        spaced = list(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        if plain:
+            sequences.append(plain)
+        if spaced and (not plain or (spaced[0] != plain[0] and len(spaced) == len(plain))):
+            sequences.append(spaced)
+    params.bad_words_token_ids = sequences

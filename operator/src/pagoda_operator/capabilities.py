@@ -45,6 +45,14 @@ SPEC_FLAGS = {
     "--shutdown-timeout": "spec.drainSeconds",
     "--chat-template": "spec.engine.chatTemplate",
     "--api-key": "spec.apiKeySecretRef",
+    "--model": "spec.model",
+    "--no-enable-lora": "spec.loraAdapters",
+    "--no-allow-runtime-lora-updates": "spec.loraAdapters",
+    "--task": "spec.task",
+    "--runner": "spec.task",
+    "--convert": "spec.task",
+    # a flags file would have to be in the pod, and it could set any of the above unseen
+    "--config": "spec.engine.extraArgs (list the flags themselves)",
 }
 _SOURCE_KINDS = {"builtin": "builtin", "hf": "hf", "s3": "s3", "pvc": "local", "path": "local"}
 
@@ -66,6 +74,8 @@ def check_capabilities(spec: ModelDeploymentSpec, contract: dict[str, Any] | Non
             f"{spec.gpus} GPUs per replica needs tensor parallelism {spec.gpus}; this engine serves at most "
             f"{served['tensor_parallel_max']}",
         )
+    if spec.task not in contract.get("tasks", ["generate"]):  # contracts before pooling models serve generate only
+        raise InvalidSpec("spec.task", f"this engine does not serve task {spec.task}")
     _check_builtin_geometry(spec, contract)
     _check_quantization(spec, device, served)
     _check_lora(spec, contract)

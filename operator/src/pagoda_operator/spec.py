@@ -27,6 +27,7 @@ _PVC_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _S3_URL = re.compile(r"^s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/[^\s]*)?$")
 _PERCENT = re.compile(r"^(0|[1-9][0-9]*)%$")  # the CRD's pattern for rollout percentages
 DEFAULT_DRAIN_SECONDS = 30
+TASKS = ("generate", "embed", "score")  # spec.task: the engine's --task (embed, score: pooling models, no LoRA)
 
 
 class InvalidSpec(ValueError):
@@ -133,6 +134,7 @@ class ModelDeploymentSpec:
 
     model: ModelSource
     served_model_name: str
+    task: str = "generate"
     revision: Optional[str] = None
     hf_token: Optional[SecretKey] = None
     s3: S3Settings = field(default_factory=S3Settings)
@@ -354,6 +356,9 @@ def parse_spec(body: Mapping[str, Any]) -> ModelDeploymentSpec:
     if quantization in CPU_ONLY_QUANTIZATIONS and gpus > 0:
         raise InvalidSpec("spec.quantization", f"{quantization} runs on CPU replicas only, but spec.gpus is {gpus}")
     lora = _parse_lora(spec)
+    task = str(spec.get("task", "generate"))
+    if task not in TASKS or (task != "generate" and lora["lora_enabled"]):
+        raise InvalidSpec("spec.task", f"{task!r}: one of {', '.join(TASKS)}; loraAdapters need task generate")
     s3_adapters = any(a.source.kind == "s3" for a in lora["lora_adapters"])
     api_key = spec.get("apiKeySecretRef") or {}
     service = spec.get("service") or {}
@@ -361,6 +366,7 @@ def parse_spec(body: Mapping[str, Any]) -> ModelDeploymentSpec:
         **_parse_model(model, s3_adapters),
         **lora,
         served_model_name=str(model.get("servedModelName") or name),
+        task=task,
         chat_template=_parse_chat_template(engine.get("chatTemplate")),
         image=str(engine.get("image") or DEFAULT_ENGINE_IMAGE),
         image_pull_policy=str(engine.get("imagePullPolicy", "IfNotPresent")),

@@ -2,21 +2,22 @@
 
 There are no prefill or decode phases: each running sequence's ``num_computed_tokens``
 catches up with its ``num_tokens`` under one token budget. Running sequences go first (a
-decode is a one-token chunk, a long prompt is chunked), then waiting ones in arrival order.
-When blocks run out, the latest arrival is preempted (its blocks freed, recomputed later)
-and put back at the front of the queue.
+decode is a one-token chunk, a long prompt is chunked), then waiting ones in the order of the
+scheduling policy (see :mod:`pagoda.core.request_queue`: arrival order, or priority then arrival).
+When blocks run out, the request the policy would run last is preempted (its blocks freed,
+recomputed later) and queued again (fcfs: at the front).
 """
 
 from __future__ import annotations
 
 import time
-from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import replace
 from typing import Optional
 
 from pagoda.config import SchedulerConfig
 from pagoda.core.kv_cache_manager import KVCacheManager
+from pagoda.core.request_queue import RequestQueue, create_request_queue, preemption_victim
 from pagoda.core.scheduler_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from pagoda.request import Request, RequestStatus, sequence_id
 
@@ -35,7 +36,7 @@ class Scheduler:
         # Whether a step can have a LoRA adapter's weights now; a request whose adapter is not ready waits (the
         # engine reads it meanwhile, off this thread). None: always ready.
         self.adapter_ready = adapter_ready
-        self.waiting: deque[Request] = deque()
+        self.waiting: RequestQueue = create_request_queue(config.scheduling_policy)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.pending_block_copies: list[tuple[int, int]] = []
@@ -102,7 +103,7 @@ class Scheduler:
             if num_new <= 0:
                 continue
             while self.kv.allocate_slots(request, num_new) is None:
-                victim = max(self.running, key=lambda r: r.arrival_seq)
+                victim = preemption_victim(self.running, self.config.scheduling_policy)
                 budget += self._preempt(victim, scheduled)
                 out.preempted_ids.append(victim.request_id)
                 if victim is request:
@@ -125,9 +126,9 @@ class Scheduler:
         deferred: list[Request] = []
         adapters = _AdapterSlots(self.config.max_loras, self.running)
         while self.waiting and budget > 0:
-            request = self.waiting[0]
+            request = self.waiting.peek()
             if request.grammar_pending or not adapters.admits(request.lora_id) or not self._adapter_ready(request):
-                deferred.append(self.waiting.popleft())
+                deferred.append(self.waiting.pop())
                 continue
             seats = _seats(request)
             if self.running and len(self.running) + seats > self.config.max_num_seqs:
@@ -152,7 +153,7 @@ class Scheduler:
             adapters.add(request.lora_id)
             scheduled[request.request_id] = ScheduledRequest(request, num_new, self.kv.get_block_ids(request))
             budget -= num_new
-        self.waiting.extendleft(reversed(deferred))  # still counted in num_waiting_seqs: never dequeued
+        self.waiting.restore(deferred)  # still counted in num_waiting_seqs: never dequeued
         return budget
 
     def _adapter_ready(self, request: Request) -> bool:
@@ -272,16 +273,13 @@ class Scheduler:
 
     def _enqueue(self, request: Request, front: bool = False) -> None:
         if front:
-            self.waiting.appendleft(request)
+            self.waiting.prepend(request)
         else:
-            self.waiting.append(request)
+            self.waiting.add(request)
         self.num_waiting_seqs += _seats(request)
 
     def _dequeue(self, request: Request) -> None:
-        if self.waiting and self.waiting[0] is request:
-            self.waiting.popleft()
-        else:
-            self.waiting.remove(request)
+        self.waiting.remove(request)
         self.num_waiting_seqs -= _seats(request)
 
     def _finish(self, request: Request, status: RequestStatus) -> None:

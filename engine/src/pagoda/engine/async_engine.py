@@ -43,6 +43,7 @@ class _Add:
     outputs: asyncio.Queue
     admitted: asyncio.Future
     lora_name: Optional[str] = None
+    priority: int = 0
 
 
 @dataclass(slots=True)
@@ -158,8 +159,11 @@ class AsyncLLMEngine:
         prompt: Union[str, list[int]],
         params: SamplingParams,
         lora_name: Optional[str] = None,
+        priority: int = 0,
     ) -> RequestStream:
         """Queue a request now and return the stream of its outputs (call on the event loop).
+
+        ``priority``: see :meth:`LLMEngine.add_request` (non-zero needs ``--scheduling-policy priority``).
 
         The request counts in :attr:`num_waiting` from this call on, so an admission check followed
         by ``submit`` with no ``await`` in between cannot be overtaken by another handler. A bad
@@ -173,18 +177,18 @@ class AsyncLLMEngine:
         with self._pending_lock:
             self._num_pending_adds += 1
             self._num_pending_seqs += params.n
-        self._inbox.put(_Add(request_id, prompt, params, loop, outputs, admitted, lora_name))
+        self._inbox.put(_Add(request_id, prompt, params, loop, outputs, admitted, lora_name, priority))
         return RequestStream(self, request_id, outputs, admitted)
 
     async def generate(
-        self, request_id: str, prompt: Union[str, list[int]], params: SamplingParams
+        self, request_id: str, prompt: Union[str, list[int]], params: SamplingParams, priority: int = 0
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs until it finishes; ValueError if it is not admitted.
 
         The request is queued when iteration starts (use :meth:`submit` to queue it at once).
         Leaving the loop early (or being cancelled) aborts the request.
         """
-        stream = self.submit(request_id, prompt, params)
+        stream = self.submit(request_id, prompt, params, priority=priority)
         try:
             async for output in stream:
                 yield output
@@ -265,7 +269,13 @@ class AsyncLLMEngine:
 
     def _add(self, command: _Add) -> None:
         try:
-            self.engine.add_request(command.request_id, command.prompt, command.params, lora_name=command.lora_name)
+            self.engine.add_request(
+                command.request_id,
+                command.prompt,
+                command.params,
+                lora_name=command.lora_name,
+                priority=command.priority,
+            )
         except ValueError as exc:  # the request is invalid: the caller answers 400
             _call_soon(command.loop, _set_exception, command.admitted, exc)
             return

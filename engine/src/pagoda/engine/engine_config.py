@@ -22,6 +22,7 @@ from pagoda.distributed.parallel import check_shardable
 from pagoda.executor import CacheConfig, ParallelConfig
 from pagoda.layers.linear_kernels import validate_quantization
 from pagoda.model_config import ModelConfig, resolve_dtype
+from pagoda.model_overrides import apply_overrides
 from pagoda.quantization.loading import quant_config_for
 from pagoda.worker.worker_config import LoRASlotConfig, WorkerConfig
 
@@ -85,6 +86,9 @@ def resolve_engine_config(args: EngineArgs) -> EngineConfig:
     args = args.with_local_paths()
     model_path = Path(args.model)
     model_config = ModelConfig.from_model_dir(model_path)
+    model_config = apply_overrides(
+        model_config, args.hf_overrides, args.override_generation_config, args.generation_config
+    )
     device = resolve_device(args.device)
     # A flag the checkpoint contradicts, or a method this device lacks, fails before minutes of weight loading.
     quant = quant_config_for(model_path, args.quantization)

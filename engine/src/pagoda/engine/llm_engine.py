@@ -50,6 +50,9 @@ class EngineStats:
     block_size: int
     running_lora_adapters: tuple[str, ...] = ()  # names of the adapters of running requests
     waiting_lora_adapters: tuple[str, ...] = ()
+    # (priority, sequences) of the waiting and the running queue, lowest priority value first
+    waiting_by_priority: tuple[tuple[int, int], ...] = ()
+    running_by_priority: tuple[tuple[int, int], ...] = ()
 
 
 class LLMEngine(LoRAEngineMixin):
@@ -97,9 +100,11 @@ class LLMEngine(LoRAEngineMixin):
         arrival_time: Optional[float] = None,
         lora_name: Optional[str] = None,
         cache_salt: Optional[str] = None,
+        priority: int = 0,
     ) -> Request:
         """Validate and queue a request; raises ValueError for anything the engine cannot serve
-        (:class:`UnknownLoRAError` for a ``lora_name`` that is not loaded).
+        (:class:`UnknownLoRAError` for a ``lora_name`` that is not loaded, a non-zero ``priority`` unless the
+        scheduling policy is ``priority``, which runs lower values first).
 
         Everything that can fail runs before the request is registered anywhere, so a refused request
         leaves no state behind.
@@ -112,7 +117,7 @@ class LLMEngine(LoRAEngineMixin):
             raise ValueError(f"sampling params must be a SamplingParams, not {type(params).__name__}")
         text = prompt if isinstance(prompt, str) else None
         prompt_ids = encode_prompt(self.tokenizer, prompt) if isinstance(prompt, str) else _token_ids(prompt)
-        self.check_request(prompt_ids, params)
+        self.check_request(prompt_ids, params, priority)
         lora_id = self.lora_id(lora_name)
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(prompt_ids)
         generators = self._generators(params)
@@ -127,6 +132,7 @@ class LLMEngine(LoRAEngineMixin):
             max_tokens=max_tokens,
             lora_id=lora_id,
             cache_salt=cache_salt,
+            priority=priority,
         )
         if params.structured_outputs is not None:
             request.grammar = RequestGrammar(self.compile_structured_output(params.structured_outputs))
@@ -269,6 +275,8 @@ class LLMEngine(LoRAEngineMixin):
             block_size=kv.block_size,
             running_lora_adapters=self._adapter_names(self.scheduler.running),
             waiting_lora_adapters=self._adapter_names(self.scheduler.waiting),
+            waiting_by_priority=tuple(sorted(self.scheduler.waiting.priority_counts().items())),
+            running_by_priority=_by_priority(self.scheduler.running),
         )
 
     def kv_slot_usage(self) -> tuple[int, int]:
@@ -287,12 +295,13 @@ class LLMEngine(LoRAEngineMixin):
 
     # ---- helpers -------------------------------------------------------------------------
 
-    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+    def check_request(self, prompt_ids: list[int], params: SamplingParams, priority: int = 0) -> None:
         """Raise ValueError if the engine cannot serve this prompt with these params (no side effects).
 
         The server calls it before a request reaches the engine, so that a streamed request is refused
         with a 400 before its response starts; ``add_request`` calls it again.
         """
+        self.check_priority(priority)
         if not prompt_ids:
             raise ValueError("the prompt is empty; it must contain at least one token")
         vocab = self.model_config.vocab_size
@@ -323,12 +332,26 @@ class LLMEngine(LoRAEngineMixin):
                     "ignore_eos) cover every token of the vocabulary, so no token could be generated"
                 )
 
+    def check_priority(self, priority: int) -> None:
+        """ValueError unless ``priority`` is an integer, and 0 when the scheduling policy is fcfs (vLLM's rule)."""
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        if priority != 0 and self.scheduler.config.scheduling_policy != "priority":
+            raise ValueError(f"Got priority {priority} but Priority scheduling is not enabled.")
+
     def _generators(self, params: SamplingParams) -> list[Optional[torch.Generator]]:
         """One generator per sequence; a user seed s gives sequence i the seed s + i."""
         if params.greedy:
             return [None] * params.n
         base = params.seed if params.seed is not None else self._seed_rng.getrandbits(62)
         return [torch.Generator().manual_seed(base + i) for i in range(params.n)]
+
+
+def _by_priority(requests: list[Request]) -> tuple[tuple[int, int], ...]:
+    counts: dict[int, int] = {}
+    for request in requests:
+        counts[request.priority] = counts.get(request.priority, 0) + 1
+    return tuple(sorted(counts.items()))
 
 
 def _token_ids(prompt: object) -> list[int]:

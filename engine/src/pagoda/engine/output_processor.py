@@ -11,7 +11,7 @@ from typing import Optional
 from pagoda.engine.detokenizer import IncrementalDetokenizer
 from pagoda.outputs import CompletionOutput, PositionLogprobs, RequestMetrics, RequestOutput
 from pagoda.request import Request, RequestStatus
-from pagoda.sampling_params import RequestOutputKind
+from pagoda.sampling_params import RequestOutputKind, resolve_bad_words
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +43,8 @@ class OutputProcessor:
         self.states: dict[str, _RequestState] = {}
 
     def add_request(self, request: Request, prompt: Optional[str]) -> None:
+        # bad_words become token sequences here, with the tokenizer, before the request is ever scheduled.
+        resolve_bad_words(request.sampling_params, self.tokenizer)
         state = _RequestState(prompt=prompt, parent=request)
         state.sequences[0] = self._new_sequence(request)
         self.states[request.external_id] = state

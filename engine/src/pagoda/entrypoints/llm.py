@@ -65,17 +65,25 @@ class LLM:
         sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
         use_tqdm: bool = True,
         lora_request: Union[None, LoRARequest, Sequence[Optional[LoRARequest]]] = None,
+        priority: Optional[Sequence[int]] = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in the order of the prompts.
 
         A prompt is a string, a list of token ids, or ``{"prompt": ...}`` /
         ``{"prompt_token_ids": [...]}``. ``lora_request``: the adapter of every prompt, or one per prompt (None:
-        the base model); an adapter not loaded yet is loaded from its ``lora_path`` first.
+        the base model); an adapter not loaded yet is loaded from its ``lora_path`` first. ``priority``: one per
+        prompt, lower runs first (needs ``scheduling_policy="priority"``; vLLM's argument).
         """
         batch = _as_prompt_list(prompts)
         params = self._params_list(sampling_params, len(batch))
+        if priority is not None:
+            priority = list(priority)
+            if len(priority) != len(batch):
+                raise ValueError("The lengths of prompts and priority must be the same.")
+            for value in priority:  # refuse before anything is queued
+                self.engine.check_priority(value)
         adapters = self._adapters(lora_request, len(batch))
-        return self._run([_prompt_value(p) for p in batch], params, use_tqdm, adapters)
+        return self._run([_prompt_value(p) for p in batch], params, use_tqdm, adapters, priority)
 
     def _adapters(
         self, lora_request: Union[None, LoRARequest, Sequence[Optional[LoRARequest]]], count: int
@@ -139,6 +147,7 @@ class LLM:
         params: list[SamplingParams],
         use_tqdm: bool,
         adapters: Optional[list[Optional[str]]] = None,
+        priority: Optional[list[int]] = None,
     ) -> list[RequestOutput]:
         engine = self.engine
         order: dict[str, int] = {}
@@ -149,7 +158,13 @@ class LLM:
         try:
             for i, (prompt, p) in enumerate(zip(prompts, params)):
                 request_id = str(next(self._ids))
-                engine.add_request(request_id, prompt, _final_only(p), lora_name=adapters[i] if adapters else None)
+                engine.add_request(
+                    request_id,
+                    prompt,
+                    _final_only(p),
+                    lora_name=adapters[i] if adapters else None,
+                    priority=priority[i] if priority else 0,
+                )
                 order[request_id] = i
             bar = tqdm(total=len(prompts), desc="Generating", unit="req", disable=not use_tqdm or len(prompts) < 2)
             with bar:

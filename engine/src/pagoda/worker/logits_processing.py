@@ -50,6 +50,47 @@ def apply_min_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch
     return logits
 
 
+def apply_allowed_token_ids(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Forbid (in place) every token outside a row's ``allowed_token_ids``."""
+    wanted = [i for i, row in enumerate(rows) if row.params.allowed_token_ids]
+    if not wanted:
+        return logits
+    vocab = logits.shape[1]
+    row_idx: list[int] = []
+    token_idx: list[int] = []
+    for j, i in enumerate(wanted):
+        ids = [t for t in rows[i].params.allowed_token_ids or () if t < vocab]
+        row_idx.extend(itertools.repeat(j, len(ids)))
+        token_idx.extend(ids)
+    keep = torch.zeros((len(wanted), vocab), dtype=torch.bool, device=logits.device)
+    if row_idx:
+        keep[_long(row_idx, logits.device), _long(token_idx, logits.device)] = True
+    index = _long(wanted, logits.device)
+    logits[index] = logits[index].masked_fill(~keep, float("-inf"))
+    return logits
+
+
+def apply_bad_words(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Forbid (in place) the last token of each bad word whose other tokens end the row's output so far
+    (vLLM's rule: a one-token word is never sampled; a longer one cannot be completed)."""
+    vocab = logits.shape[1]
+    row_idx: list[int] = []
+    token_idx: list[int] = []
+    for i, row in enumerate(rows):
+        output = row.output_token_ids
+        for word in row.params.bad_words_token_ids or ():
+            prefix = len(word) - 1
+            if prefix > len(output) or word[-1] >= vocab:
+                continue  # cannot complete here (a token the model never samples cannot either)
+            if prefix == 0 or list(output[len(output) - prefix :]) == word[:prefix]:
+                row_idx.append(i)
+                token_idx.append(word[-1])
+    if row_idx:
+        index = (_long(row_idx, logits.device), _long(token_idx, logits.device))
+        logits.index_put_(index, torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device))
+    return logits
+
+
 class PenaltyCounts:
     """One sequence's token statistics for the penalties, kept up to date as it grows.
 

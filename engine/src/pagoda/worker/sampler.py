@@ -2,7 +2,7 @@
 
 Semantics follow vLLM V1 / OpenAI. Logprobs are those of the model's raw logits (before any
 penalty, bias or temperature). The token is chosen from the processed logits, in this order:
-logit_bias, min_tokens masking, repetition penalty, presence/frequency penalties, the structured
+the allowed_token_ids and bad_words masks, logit_bias, min_tokens masking, repetition penalty, presence/frequency penalties, the structured
 output's grammar mask, then greedy argmax, or temperature, top_k, top_p, min_p and a random draw.
 
 Batch independence: a seeded row gets the same token whichever rows share its batch and at
@@ -81,6 +81,8 @@ def _process(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     if not any(_adjusts_logits(row) for row in rows):
         return logits
     out = logits.clone()
+    out = processing.apply_allowed_token_ids(out, rows)
+    out = processing.apply_bad_words(out, rows)
     out = processing.apply_logit_bias(out, rows)
     out = processing.apply_min_tokens(out, rows)
     return processing.apply_penalties(out, rows)
@@ -94,6 +96,8 @@ def _adjusts_logits(row: SamplingRow) -> bool:
     p = row.params
     return bool(
         p.logit_bias
+        or p.allowed_token_ids
+        or p.bad_words_token_ids
         or p.repetition_penalty != 1.0
         or p.presence_penalty != 0.0
         or p.frequency_penalty != 0.0

@@ -54,6 +54,8 @@ def engine_args(spec: ModelDeploymentSpec) -> list[str]:
     """Arguments after ``pagoda serve``; vLLM-compatible flag names."""
     args = model_arguments(spec)
     args += ["--host", "0.0.0.0", "--port", str(ENGINE_PORT), "--served-model-name", spec.served_model_name]
+    if spec.task != "generate":  # generate is the engine's default: no flag, as for an unset field
+        args += ["--task", spec.task]
     _flag(args, "--max-model-len", spec.max_model_len)
     _flag(args, "--max-num-seqs", spec.max_num_seqs)
     _flag(args, "--gpu-memory-utilization", spec.gpu_memory_utilization)

@@ -44,8 +44,12 @@ from pagoda.entrypoints.openai.protocol import (
     TokenizeRequest,
 )
 from pagoda.entrypoints.openai.reasoning_parsers import get_reasoning_parser
+from pagoda.entrypoints.openai.response_store import ResponseStore
 from pagoda.entrypoints.openai.serving import OpenAIServing
+from pagoda.entrypoints.openai.serving_base import RequestOptions
 from pagoda.entrypoints.openai.serving_chat import ChatOptions
+from pagoda.entrypoints.openai.serving_pooling import add_pooling_routes, load_pooling
+from pagoda.entrypoints.openai.serving_responses import ResponsesServing, add_responses_routes
 from pagoda.entrypoints.openai.structured_request import configure_compiler
 from pagoda.entrypoints.openai.tokenizer_pool import TokenizerPool, TokenizerSpec
 from pagoda.entrypoints.openai.tool_parsers import get_tool_parser
@@ -77,6 +81,7 @@ class ServerState:
     # set by the loader thread once the model is loaded (None until then: /ready answers 503)
     engine: Optional[AsyncLLMEngine] = None
     serving: Optional[OpenAIServing] = None
+    responses: Optional[ResponsesServing] = None  # POST /v1/responses and the stored responses
     metrics: Optional[EngineMetrics] = None
     pool: Optional[TokenizerPool] = None
     lora: Optional[LoRAAdapters] = None  # with --enable-lora
@@ -101,6 +106,9 @@ class ServerState:
                 self.config.tokenizer_pool_size,
             )
             starting = self.pool.start()
+            if args.task != "generate":  # embeddings / scores: the pooling engine, no KV cache (serving_pooling)
+                self.engine, self.serving = load_pooling(args, self.config, self.model_name, self.pool, starting)
+                return
             engine = LLMEngine(args)
             stats = engine.get_stats()
             self.metrics = EngineMetrics(
@@ -127,7 +135,10 @@ class ServerState:
                 AdmissionControl(self.config.max_num_queued_requests, lambda: async_engine.num_waiting_seqs),
                 self.metrics,
                 chat_options(self.config),
+                request_options=RequestOptions.from_config(self.config),
             )
+            store = ResponseStore(self.config.max_stored_responses)
+            self.responses = ResponsesServing(self.serving, self.serving.chat_options, store)
             # xgrammar takes seconds to import: load it now, off the request path, not on the first request.
             threading.Thread(
                 target=_warm_up_structured_outputs,
@@ -218,7 +229,8 @@ def build_app(config: ServerConfig) -> FastAPI:
         if state.pool is not None:
             state.pool.shutdown()
 
-    app = FastAPI(title="Pagoda", version=__version__, lifespan=lifespan)
+    app = FastAPI(title="Pagoda", version=__version__, lifespan=lifespan, **config.fastapi_options())
+    app.root_path = config.root_path  # the prefix a proxy strips: the docs and OpenAPI servers name it
     app.state.pagoda = state
     install_error_handlers(app)
     install_openapi(app)
@@ -232,8 +244,8 @@ def build_app(config: ServerConfig) -> FastAPI:
             CORSMiddleware,
             allow_origins=list(config.allowed_origins),
             allow_credentials=config.allow_credentials,
-            allow_methods=["*"],
-            allow_headers=["*"],
+            allow_methods=list(config.allowed_methods),
+            allow_headers=list(config.allowed_headers),
             expose_headers=["X-Request-Id"],
         )
     app.add_middleware(RequestIdMiddleware)
@@ -299,6 +311,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         return {"object": "list", "data": cards}
 
     config = state.config
+    add_pooling_routes(app, state.check_admission)  # /v1/embeddings, /v1/score, /v1/rerank, /rerank
     add_lora_routes(
         app,
         lambda: state.lora,
@@ -315,6 +328,9 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     @route("post", "/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, raw: Request) -> Response:
         return await state.check_admission(body.model).chat(body, raw)
+
+    # POST /v1/responses, and GET, DELETE and POST .../cancel of /v1/responses/{response_id}
+    add_responses_routes(app, route, state.check_admission, lambda: state.responses)
 
     @route("post", "/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict:
@@ -361,10 +377,9 @@ def run_server(config: ServerConfig, log_level: str = "info") -> int:
         app,
         host=config.host,
         port=config.port,
-        log_level=log_level,
         timeout_graceful_shutdown=int(config.shutdown_timeout) + 10,
-        access_log=log_level == "debug",
         http=header_timeout_protocol(config.limits.http_header_timeout),
+        **config.uvicorn_options(log_level),  # log level, access log, TLS
     )
     state: ServerState = app.state.pagoda
     server = _DrainingServer(uv_config, state)

@@ -28,6 +28,8 @@ class ChatOutputConfig:
     # The output was shaped by a grammar from its first token: it holds reasoning only if it opens a <think>
     # block itself (a parser that reads untagged text as reasoning, deepseek_r1's, must not see the rest).
     constrained: bool = False
+    # The message's role: --response-role, or the last message's role when the template adds no generation prompt.
+    role: str = "assistant"
 
     def message(self, text: str) -> dict[str, Any]:
         """The assistant message of a whole generated text."""
@@ -43,7 +45,7 @@ class ChatOutputConfig:
             calls = _forced_calls(self, content or "")
             if calls:
                 content = None
-        message: dict[str, Any] = {"role": "assistant", "content": content}
+        message: dict[str, Any] = {"role": self.role, "content": content}
         if reasoning is not None:
             message["reasoning_content"] = reasoning
         if calls:

@@ -7,8 +7,9 @@ without loading the server, the tokenizer or torch.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 from pagoda.config import EngineArgs
 from pagoda.lora.sources import LoRAModule, parse_lora_modules
@@ -26,6 +27,7 @@ DEFAULT_POOL_SIZE = 1
 # Output parsers of `pagoda serve` (the tool_parsers package and reasoning_parsers.py hold the same names).
 TOOL_CALL_PARSER_NAMES = ("hermes", "llama3_json", "mistral")
 REASONING_PARSER_NAMES = ("qwen3", "deepseek_r1")
+UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,7 +84,31 @@ class ServerLimits:
 
 
 def _as_tuple(values: Optional[list[str]]) -> tuple[str, ...]:
-    return tuple(values or ())
+    """The values of a repeatable flag; a value that is a JSON list (vLLM's form, ``'["*"]'``) gives its items."""
+    items: list[str] = []
+    for value in values or ():
+        if value.lstrip().startswith("["):
+            try:
+                parsed = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"cannot parse {value!r} as a JSON list: {exc}") from None
+            if not isinstance(parsed, list) or not all(isinstance(item, str) for item in parsed):
+                raise ValueError(f"{value!r} must be a JSON list of strings")
+            items.extend(parsed)
+        else:
+            items.append(value)
+    return tuple(items)
+
+
+def _all_unless_given(values: Optional[list[str]]) -> tuple[str, ...]:
+    return _as_tuple(values) or ("*",)
+
+
+def _one_name(values: Optional[list[str]]) -> Optional[str]:
+    """--served-model-name takes vLLM's list form, of one name: aliases are not served."""
+    if values is not None and len(values) > 1:
+        raise ValueError(f"--served-model-name: one name is served, got {len(values)} ({', '.join(values)})")
+    return values[0] if values else None
 
 
 def _paths_flag(values: Optional[list[str]]) -> tuple[str, ...]:
@@ -100,10 +126,16 @@ class ServerConfig:
     engine_args: EngineArgs
     host: str = option("127.0.0.1", "address to bind (0.0.0.0 in a pod)")
     port: int = option(8000, "port to bind")
-    served_model_name: Optional[str] = option(None, "model name clients use (default: the model path)")
+    served_model_name: Optional[str] = option(
+        None, "model name clients use (default: the model path)", nargs="+", parse=_one_name
+    )
     # From the command line: the --api-key flags, then the environment's keys (see auth.resolve_api_keys).
     api_keys: tuple[str, ...] = option(
-        (), "require this bearer key (repeatable; env PAGODA_API_KEY, VLLM_API_KEY)", flag="--api-key", action="append"
+        (),
+        "require this bearer key (one or more, repeatable; env PAGODA_API_KEY, VLLM_API_KEY)",
+        flag="--api-key",
+        action="extend",
+        nargs="+",
     )
     max_num_queued_requests: int = option(
         1024,
@@ -119,6 +151,18 @@ class ServerConfig:
         parse=_as_tuple,
     )
     allow_credentials: bool = option(False, "CORS: allow cookies and auth headers")
+    allowed_methods: tuple[str, ...] = option(
+        ("*",),
+        "CORS: a method browsers may use (repeatable, or a JSON list as vLLM takes it)",
+        action="append",
+        parse=_all_unless_given,
+    )
+    allowed_headers: tuple[str, ...] = option(
+        ("*",),
+        "CORS: a request header browsers may send (repeatable, or a JSON list)",
+        action="append",
+        parse=_all_unless_given,
+    )
     tokenizer_pool_type: str = option(
         DEFAULT_POOL_TYPE,
         "where prompts are tokenized and chat templates rendered: worker processes or threads",
@@ -161,6 +205,58 @@ class ServerConfig:
         False,
         "enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter (behind --api-key like every /v1 route)",
     )
+    max_stored_responses: int = option(  # the Responses API's in-memory store (response_store)
+        1000,
+        "responses kept for GET /v1/responses/{id} and previous_response_id (least recently used evicted first; "
+        "also bounded to 64 MiB)",
+    )
+
+    # Response shaping, named like vllm serve's flags (the serving classes read them via RequestOptions).
+    return_tokens_as_token_ids: bool = option(
+        False, 'logprobs name each token "token_id:N" instead of its text (tokens that are not valid UTF-8 included)'
+    )
+    strict_request_fields: bool = option(
+        False, "refuse (400) request fields this server does not know instead of ignoring them"
+    )
+    max_logprobs: int = option(20, "largest logprobs / top_logprobs a request may ask for")
+    enable_force_include_usage: bool = option(
+        False, "streamed responses end with a usage chunk even when stream_options.include_usage is not set"
+    )
+    response_role: str = option("assistant", "role of the chat completion's message (add_generation_prompt true)")
+    # How uvicorn serves (named like vllm serve's flags).
+    uvicorn_log_level: Optional[str] = option(
+        None, "uvicorn's log level (default: --log-level)", choices=UVICORN_LOG_LEVELS
+    )
+    ssl_keyfile: Optional[str] = option(None, "serve HTTPS: the private key file (PEM), with --ssl-certfile")
+    ssl_certfile: Optional[str] = option(None, "serve HTTPS: the certificate chain file (PEM), with --ssl-keyfile")
+    ssl_ca_certs: Optional[str] = option(
+        None, "HTTPS: CA certificates (PEM) that client certificates are checked against"
+    )
+    ssl_cert_reqs: int = option(
+        0,
+        "HTTPS: client certificates: 0 not asked, 1 optional, 2 required (Python's ssl.CERT_* values)",
+        choices=(0, 1, 2),
+    )
+    root_path: str = option(
+        "", "the path prefix a proxy strips before forwarding (FastAPI's root_path: the OpenAPI servers and docs)"
+    )
+    disable_fastapi_docs: bool = option(False, "no /docs, /redoc or /openapi.json")
+    disable_uvicorn_access_log: bool = option(False, "no access log (it is written only at --log-level debug)")
+
+    def uvicorn_options(self, log_level: str) -> dict[str, Any]:
+        """uvicorn.Config's settings from the flags: its log level, the access log (at debug), TLS."""
+        return {
+            "log_level": self.uvicorn_log_level or log_level,
+            "access_log": log_level == "debug" and not self.disable_uvicorn_access_log,
+            "ssl_keyfile": self.ssl_keyfile,
+            "ssl_certfile": self.ssl_certfile,
+            "ssl_ca_certs": self.ssl_ca_certs,
+            "ssl_cert_reqs": self.ssl_cert_reqs,
+        }
+
+    def fastapi_options(self) -> dict[str, Any]:
+        """FastAPI's settings from the flags: --disable-fastapi-docs."""
+        return {"docs_url": None, "redoc_url": None, "openapi_url": None} if self.disable_fastapi_docs else {}
 
     def validate(self) -> None:
         """ValueError for any setting out of range (the engine's that do not depend on the model included), before
@@ -175,3 +271,9 @@ class ServerConfig:
             raise ValueError("--lora-modules-poll-seconds must be greater than 0")
         if self.tokenizer_pool_size < 1:
             raise ValueError("--tokenizer-pool-size must be at least 1")
+        if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
+            raise ValueError("HTTPS needs both --ssl-keyfile and --ssl-certfile")
+        if self.root_path and not self.root_path.startswith("/"):
+            raise ValueError(f"--root-path must start with '/', got {self.root_path!r}")
+        if self.max_logprobs < 0:
+            raise ValueError(f"--max-logprobs must be at least 0, got {self.max_logprobs}")

@@ -168,6 +168,18 @@ class ChatCompletionChunk(_ResponseHead):
     usage: Optional[Usage] = None
 
 
+class ResponseObject(BaseModel):
+    """``POST /v1/responses`` without ``stream``, and ``GET /v1/responses/{response_id}``."""
+
+    id: str
+    object: str  # "response"
+    created_at: int
+    model: str
+    status: str
+    output: list[dict[str, Any]]
+    usage: Optional[dict[str, Any]] = None
+
+
 class ModelCard(BaseModel):
     id: str
     object: str
@@ -216,6 +228,10 @@ _ENGINE = {
     500: _error("This request failed on the server (the engine carries on)"),
     503: _error("The model is loading, the server is draining, or the engine stopped"),
 }
+_RESPONSE_EVENTS = {
+    "content": {SSE_MEDIA_TYPE: {"schema": {"type": "string"}}},
+    "description": "A response object, or with `stream: true` Server-Sent Events of the Responses API",
+}
 _STREAMING = {
     "content": {SSE_MEDIA_TYPE: {"schema": {"type": "string"}}},
     "description": "A JSON body, or with `stream: true` Server-Sent Events of chunks ending in `data: [DONE]`",
@@ -225,11 +241,16 @@ _STREAMING = {
 def route_responses(route: str) -> dict[Union[int, str], dict[str, Any]]:
     """The ``responses`` argument of each route: every status code it can answer with, and the body."""
     generation = {**_AUTH, **_BODY, **_ENGINE, 429: _error("Too many requests are waiting; see Retry-After")}
+    stored = {**_AUTH, **_ENGINE, 400: _error("Not in progress"), 404: _error("No stored response of that id")}
     table: dict[str, dict[Union[int, str], dict[str, Any]]] = {
         "/v1/completions": {200: {"model": Completion, **_STREAMING}, **generation},
         "/v1/chat/completions": {200: {"model": ChatCompletion, **_STREAMING}, **generation},
         "/tokenize": {200: {"model": TokenizeResponse}, **_AUTH, **_BODY, **_ENGINE},
         "/detokenize": {200: {"model": DetokenizeResponse}, **_AUTH, **_BODY, **_ENGINE},
+        "/v1/responses": {200: {"model": ResponseObject, **_RESPONSE_EVENTS}, **generation},
+        # GET (the stored response), DELETE, and POST .../cancel (400: it is not in progress)
+        "/v1/responses/{response_id}": {200: {"description": "The stored response, or its deletion"}, **stored},
+        "/v1/responses/{response_id}/cancel": {200: {"model": ResponseObject}, **stored},
         "/v1/models": {200: {"model": ModelList}, **_AUTH},
         "/version": {200: {"model": VersionResponse}, **_AUTH},
         "/health": {200: {"model": StatusResponse}, 503: _error("The model failed to load or the engine stopped")},

@@ -13,10 +13,19 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Annotated, Any, Optional, Union
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, WithJsonSchema, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationInfo,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
 from pydantic.json_schema import SkipJsonSchema
 
-from pagoda.entrypoints.openai.errors import sampling_error
+from pagoda.entrypoints.openai.errors import OpenAIError, sampling_error
 from pagoda.entrypoints.openai.protocol_schemas import (
     LOGIT_BIAS_SCHEMA,
     RESPONSE_FORMAT_SCHEMA,
@@ -25,6 +34,14 @@ from pagoda.entrypoints.openai.protocol_schemas import (
     TOOL_CHOICE_SCHEMA,
     TOOL_SCHEMA,
     nullable,
+)
+from pagoda.entrypoints.openai.protocol_types import (
+    Int,
+    Prompt,
+    PromptInput,
+    TokenId,
+    check_prompt,
+    check_stop,
 )
 from pagoda.sampling_params import (
     MAX_LOGIT_BIAS,
@@ -38,8 +55,10 @@ from pagoda.sampling_params import (
 )
 from pagoda.structured_output.params import StructuredOutputsParams
 
-# vLLM's default --max-logprobs.
+# vLLM's default --max-logprobs: the bound the OpenAPI document states; requests are checked against the server's
+# --max-logprobs (serving_base.RequestOptions).
 MAX_LOGPROBS = 20
+LOGPROBS_SCHEMA = {"maximum": MAX_LOGPROBS}
 # Request fields whose default comes from the model's generation config when the request leaves them unset.
 GENERATION_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 # Request fields that SamplingParams takes as they are, under the same name.
@@ -54,7 +73,11 @@ PASSED_FIELDS = (
     "ignore_eos",
     "min_tokens",
     "skip_special_tokens",
+    "allowed_token_ids",
+    "bad_words",
 )
+# SamplingParams fields whose errors errors.sampling_error does not name on its own.
+_EXTRA_PARAM_NAMES = ("allowed_token_ids", "bad_words")
 # Arguments the server itself passes to the chat template.
 RESERVED_TEMPLATE_KWARGS = frozenset(
     {"messages", "tools", "documents", "add_generation_prompt", "continue_final_message", "chat_template", "tokenize"}
@@ -68,26 +91,6 @@ RESERVED_TEMPLATE_KWARGS = frozenset(
 )
 
 
-def _json_integer(value: object) -> object:
-    """JSON Schema's integer: 5 and 5.0, never true or "5" (strict validation then rejects those)."""
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    return value
-
-
-# An integer as JSON Schema (and so the served document) defines it.
-Int = Annotated[int, BeforeValidator(_json_integer)]
-TokenId = Annotated[Int, Field(ge=0)]
-TokenIds = Annotated[list[TokenId], Field(min_length=1)]
-PromptInput = Union[
-    str,
-    Annotated[list[str], Field(min_length=1)],
-    TokenIds,
-    Annotated[list[TokenIds], Field(min_length=1)],
-]
-Prompt = Union[str, list[int]]
-
-
 # Strict types (no "1" for 1, no 0 for false), unknown fields ignored.
 _REQUEST_CONFIG = ConfigDict(extra="ignore", strict=True)
 
@@ -98,38 +101,6 @@ class StreamOptions(BaseModel):
     model_config = _REQUEST_CONFIG
 
     include_usage: bool = False
-
-
-def _is_token_ids(value: object) -> bool:
-    # bool is an int subclass, but true/false in a prompt is a client bug, not token ids 1/0.
-    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value)
-
-
-def _check_prompt(value: object) -> PromptInput:
-    """One string, a list of strings, token ids, or a list of token-id lists; never empty lists."""
-    if isinstance(value, str):
-        return value
-    if isinstance(value, list):
-        value = [[_json_integer(t) for t in p] if isinstance(p, list) else _json_integer(p) for p in value]
-    if not isinstance(value, list) or not value:
-        raise ValueError("prompt must be a string, a non-empty list of strings, or (lists of) token ids")
-    if all(isinstance(p, str) for p in value):
-        return value
-    if _is_token_ids(value):
-        return value
-    if all(isinstance(p, list) for p in value):
-        if all(p and _is_token_ids(p) for p in value):
-            return value
-        raise ValueError("prompt token-id lists must be non-empty lists of non-negative integers")
-    raise ValueError("prompt must be a string, a list of strings, a list of token ids or a list of token-id lists")
-
-
-def _check_stop(value: object) -> Union[None, str, list[str]]:
-    if value is None or isinstance(value, str):
-        return value
-    if isinstance(value, list) and all(isinstance(s, str) for s in value):
-        return value
-    raise ValueError("stop must be a string or a list of strings")
 
 
 class ChatMessage(BaseModel):
@@ -186,6 +157,35 @@ class _SamplingRequest(BaseModel):
     # crafted sparse tensor corrupts memory). This server takes text and token ids only: the field is refused, never
     # decoded, and kept out of the OpenAPI document.
     prompt_embeds: SkipJsonSchema[Any] = None
+    # vLLM's extensions: scheduling priority (lower runs first under --scheduling-policy priority), the prompt's
+    # own logprobs, tokens named by id in logprobs, and two sampling masks (only these tokens; never these words).
+    priority: Int = Field(default=0, ge=MIN_SEED, le=MAX_SEED)
+    prompt_logprobs: Optional[Int] = Field(default=None, ge=0, json_schema_extra=LOGPROBS_SCHEMA)
+    return_tokens_as_token_ids: Optional[bool] = None
+    allowed_token_ids: Optional[Annotated[list[TokenId], Field(min_length=1)]] = None
+    bad_words: Optional[list[str]] = None
+    # The top-level fields the request had that this model does not know (serving logs or refuses them).
+    _unknown_fields: tuple[str, ...] = PrivateAttr(default=())
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _record_unknown_fields(cls, data: Any, handler: Any) -> Any:
+        request = handler(data)
+        if isinstance(data, dict):
+            request._unknown_fields = tuple(sorted(str(k) for k in data if k not in cls.model_fields))
+        return request
+
+    @property
+    def unknown_fields(self) -> tuple[str, ...]:
+        """The request's top-level fields that no field of this model takes (ignored unless the server is strict)."""
+        return self._unknown_fields
+
+    @field_validator("prompt_logprobs")
+    @classmethod
+    def _prompt_logprobs_not_streamed(cls, value: Optional[int], info: ValidationInfo) -> Optional[int]:
+        if value is not None and info.data.get("stream", False):
+            raise ValueError("prompt_logprobs are not available when stream is true")
+        return value
 
     @field_validator("prompt_embeds", mode="before")
     @classmethod
@@ -198,7 +198,7 @@ class _SamplingRequest(BaseModel):
     @classmethod
     def _stop_shape(cls, value: object) -> Union[None, str, list[str]]:
         # Checked by hand: pydantic's union errors would name "stop.str" / "stop.list[str]".
-        return _check_stop(value)
+        return check_stop(value)
 
     @field_validator("stream_options")
     @classmethod
@@ -249,7 +249,7 @@ class _SamplingRequest(BaseModel):
                 **extra,
             )
         except ValueError as exc:
-            raise sampling_error(exc) from None
+            raise extended_sampling_error(exc) from None
 
     def _output_fields(self, default_max_tokens: Optional[int]) -> tuple[Optional[int], Optional[int], dict[str, Any]]:
         """(max_tokens, logprobs, other SamplingParams arguments) from the endpoint's own fields."""
@@ -260,15 +260,16 @@ class CompletionRequest(_SamplingRequest):
     """``POST /v1/completions``."""
 
     prompt: PromptInput
-    max_tokens: Optional[Int] = Field(default=16, ge=1)
-    logprobs: Optional[Int] = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    # 0 with echo: the prompt and its logprobs only (OpenAI's way of scoring a text); without echo, a 400 as vLLM's.
+    max_tokens: Optional[Int] = Field(default=16, ge=0)
+    logprobs: Optional[Int] = Field(default=None, ge=0, json_schema_extra=LOGPROBS_SCHEMA)
     echo: bool = False
     suffix: Annotated[Optional[str], WithJsonSchema({"type": "null", "description": "not supported"})] = None
 
     @field_validator("prompt", mode="before")
     @classmethod
     def _prompt_shape(cls, value: object) -> PromptInput:
-        return _check_prompt(value)
+        return check_prompt(value)
 
     @field_validator("suffix")
     @classmethod
@@ -286,11 +287,22 @@ class CompletionRequest(_SamplingRequest):
             return [list(prompt)]  # type: ignore[arg-type]
         return [p if isinstance(p, str) else list(p) for p in prompt]  # type: ignore[union-attr]
 
+    @property
+    def echo_only(self) -> bool:
+        """``echo`` with ``max_tokens`` 0: the engine runs one step (max_tokens 1) whose token is dropped."""
+        return self.echo and self.max_tokens == 0
+
     def _output_fields(self, default_max_tokens: Optional[int]) -> tuple[Optional[int], Optional[int], dict[str, Any]]:
         """``max_tokens`` null means ``default_max_tokens``; with ``echo`` and ``logprobs`` the prompt's logprobs
-        are requested too."""
+        are requested too (``prompt_logprobs`` when set, as vLLM)."""
         max_tokens = self.max_tokens if self.max_tokens is not None else default_max_tokens
-        prompt_logprobs = self.logprobs if self.echo and self.logprobs is not None else None
+        if max_tokens == 0:
+            if not self.echo:
+                raise sampling_error(ValueError("max_tokens must be at least 1 unless echo is true, got 0."))
+            max_tokens = 1
+        prompt_logprobs = self.prompt_logprobs
+        if prompt_logprobs is None and self.echo:
+            prompt_logprobs = self.logprobs
         return max_tokens, self.logprobs, {"prompt_logprobs": prompt_logprobs}
 
 
@@ -301,7 +313,7 @@ class ChatCompletionRequest(_SamplingRequest):
     max_tokens: Optional[Int] = Field(default=None, ge=1)
     max_completion_tokens: Optional[Int] = Field(default=None, ge=1)
     logprobs: bool = False
-    top_logprobs: Optional[Int] = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: Optional[Int] = Field(default=None, ge=0, json_schema_extra=LOGPROBS_SCHEMA)
     tools: Annotated[
         Optional[list[dict[str, Any]]], WithJsonSchema(nullable({"type": "array", "items": TOOL_SCHEMA}))
     ] = None
@@ -342,7 +354,15 @@ class ChatCompletionRequest(_SamplingRequest):
             (v for v in (self.max_completion_tokens, self.max_tokens, default_max_tokens) if v is not None), None
         )
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return max_tokens, logprobs, {}
+        return max_tokens, logprobs, {"prompt_logprobs": self.prompt_logprobs}
+
+
+def extended_sampling_error(exc: ValueError) -> OpenAIError:
+    """``errors.sampling_error``, naming also the vLLM extras' fields."""
+    error = sampling_error(exc)
+    if error.param is None:
+        error.param = next((name for name in _EXTRA_PARAM_NAMES if str(exc).startswith(name)), None)
+    return error
 
 
 class TokenizeRequest(BaseModel):

@@ -79,20 +79,23 @@ class StreamUsage:
     cached_tokens: dict[str, int] = field(default_factory=dict)
     completion_tokens: int = 0
 
-    def add(self, output: RequestOutput) -> None:
+    def add(self, output: RequestOutput, completion: bool = True) -> None:
+        """Count ``output`` (``completion`` False: its tokens are dropped, as ``max_tokens`` 0 with echo does)."""
         self.prompt_tokens[output.request_id] = len(output.prompt_token_ids)
         self.cached_tokens[output.request_id] = output.num_cached_tokens
-        self.completion_tokens += sum(len(c.token_ids) for c in output.outputs)
+        if completion:
+            self.completion_tokens += sum(len(c.token_ids) for c in output.outputs)
 
     def body(self) -> dict[str, Any]:
         return _usage_body(sum(self.prompt_tokens.values()), self.completion_tokens, sum(self.cached_tokens.values()))
 
 
-def usage(outputs: list[RequestOutput]) -> dict[str, Any]:
-    """OpenAI's ``usage`` of finished outputs, with ``prompt_tokens_details.cached_tokens`` (prefix-cache hits)."""
+def usage(outputs: list[RequestOutput], completion: bool = True) -> dict[str, Any]:
+    """OpenAI's ``usage`` of finished outputs, with ``prompt_tokens_details.cached_tokens`` (prefix-cache hits);
+    ``completion`` False counts no completion tokens (their tokens were dropped)."""
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
-    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
-    return _usage_body(prompt, completion, sum(o.num_cached_tokens for o in outputs))
+    generated = sum(len(c.token_ids) for o in outputs for c in o.outputs) if completion else 0
+    return _usage_body(prompt, generated, sum(o.num_cached_tokens for o in outputs))
 
 
 def _usage_body(prompt: int, completion: int, cached: int) -> dict[str, Any]:
@@ -104,32 +107,18 @@ def _usage_body(prompt: int, completion: int, cached: int) -> dict[str, Any]:
     }
 
 
-def completion_logprobs(c: CompletionOutput) -> dict[str, Any]:
-    """The legacy completions shape: parallel lists plus a dict of top alternatives per token."""
-    tokens, token_logprobs, top, offsets = [], [], [], []
-    offset = 0
-    for token_id, entry in zip(c.token_ids, c.logprobs or []):
-        chosen = entry[token_id]
-        text = chosen.decoded_token or ""
-        tokens.append(text)
-        token_logprobs.append(chosen.logprob)
-        top.append({(lp.decoded_token or ""): lp.logprob for lp in entry.values()})
-        offsets.append(offset)
-        offset += len(text)
-    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+def chat_logprobs(c: CompletionOutput, top_k: int, as_token_ids: bool = False) -> dict[str, Any]:
+    """Chat shape: per token, the chosen one and the ``top_k`` most likely (by rank); ``as_token_ids`` names tokens
+    ``token_id:N`` (``return_tokens_as_token_ids``)."""
 
-
-def chat_logprobs(c: CompletionOutput, top_k: int) -> dict[str, Any]:
-    """Chat shape: per token, the chosen one and the ``top_k`` most likely (by rank)."""
-
-    def item(lp) -> dict[str, Any]:
-        text = lp.decoded_token or ""
+    def item(token_id: int, lp) -> dict[str, Any]:
+        text = f"token_id:{token_id}" if as_token_ids else (lp.decoded_token or "")
         return {"token": text, "logprob": lp.logprob, "bytes": list(text.encode(errors="replace"))}
 
     content = []
     for token_id, entry in zip(c.token_ids, c.logprobs or []):
-        ranked = sorted(entry.values(), key=lambda lp: lp.rank)
-        content.append({**item(entry[token_id]), "top_logprobs": [item(lp) for lp in ranked[:top_k]]})
+        ranked = sorted(entry.items(), key=lambda item: item[1].rank)
+        content.append({**item(token_id, entry[token_id]), "top_logprobs": [item(t, lp) for t, lp in ranked[:top_k]]})
     return {"content": content}
 
 

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
 from functools import cached_property
-from typing import Any, Optional
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from pagoda.entrypoints.openai.completion_stream import CompletionShape, completion_choice, completion_chunks
 from pagoda.entrypoints.openai.errors import bad_request, internal_error
 from pagoda.entrypoints.openai.http_guards import request_id_of
 from pagoda.entrypoints.openai.protocol import (
@@ -25,9 +25,6 @@ from pagoda.entrypoints.openai.protocol import (
 )
 from pagoda.entrypoints.openai.responses import (
     CLIENT_CLOSED_REQUEST,
-    StreamUsage,
-    completion_logprobs,
-    merge_streams,
     sse_response,
     until_disconnected,
     usage,
@@ -36,8 +33,6 @@ from pagoda.entrypoints.openai.serving_base import Prompt, ServingBase, Sub
 from pagoda.entrypoints.openai.serving_chat import ChatServing
 from pagoda.entrypoints.openai.structured_request import structured_outputs_of
 from pagoda.entrypoints.openai.tokenizer_pool import TokenizerPoolError
-from pagoda.outputs import CompletionOutput
-from pagoda.sampling_params import SamplingParams
 
 
 class OpenAIServing(ServingBase):
@@ -62,32 +57,32 @@ class OpenAIServing(ServingBase):
             prompt_ids = await self._tokenize(prompts)
             model, lora_name = self.model_of(body.model)
             subs = [
-                Sub(self.engine_id("cmpl", request_id), p, ids, i * params.n, model=model, lora_name=lora_name)
+                Sub(
+                    self.engine_id("cmpl", request_id),
+                    p,
+                    ids,
+                    i * params.n,
+                    model=model,
+                    lora_name=lora_name,
+                    priority=body.priority,
+                )
                 for i, (p, ids) in enumerate(zip(prompts, prompt_ids))
             ]
             self.submit(subs, params)
         await self.admitted(subs)
         response_id, created = f"cmpl-{request_id}", int(time.time())
+        shape = CompletionShape(body.echo, body.echo_only, params.logprobs, self.token_text(body, params))
         if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            chunks = self._completion_chunks(subs, params, response_id, created, include_usage, body.echo)
+            chunks = completion_chunks(self, subs, params, shape, (response_id, created), self.include_usage(body))
             return sse_response(chunks, request_id)
         finals = await until_disconnected(raw, request_id, asyncio.gather(*(self.final(s, params) for s in subs)))
         if finals is None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         choices = []
         for sub, output in zip(subs, finals):
-            echo = (await self._prompt_text(sub)) if body.echo else ""
+            echo = (await self.prompt_text(sub)) if body.echo and params.logprobs is None else ""
             for c in output.outputs:
-                choices.append(
-                    {
-                        "index": sub.index_base + c.index,
-                        "text": echo + c.text,
-                        "logprobs": completion_logprobs(c) if params.logprobs is not None else None,
-                        "finish_reason": c.finish_reason,
-                        "stop_reason": c.stop_reason,
-                    }
-                )
+                choices.append(await completion_choice(shape, sub, output, c, echo))
         return JSONResponse(
             {
                 "id": response_id,
@@ -95,51 +90,9 @@ class OpenAIServing(ServingBase):
                 "created": created,
                 "model": subs[0].model,
                 "choices": sorted(choices, key=lambda c: c["index"]),
-                "usage": usage(finals),
+                "usage": usage(finals, completion=not body.echo_only),
             }
         )
-
-    async def _completion_chunks(
-        self, subs: list[Sub], params: SamplingParams, response_id: str, created: int, include_usage: bool, echo: bool
-    ) -> AsyncIterator[dict]:
-        model = subs[0].model
-
-        def chunk(index: int, text: str, c: Optional[CompletionOutput]) -> dict:
-            return {
-                "id": response_id,
-                "object": "text_completion",
-                "created": created,
-                "model": model,
-                "choices": [
-                    {
-                        "index": index,
-                        "text": text,
-                        "logprobs": completion_logprobs(c) if c is not None and params.logprobs is not None else None,
-                        "finish_reason": c.finish_reason if c is not None else None,
-                        "stop_reason": c.stop_reason if c is not None else None,
-                    }
-                ],
-            }
-
-        if echo:
-            for sub in subs:
-                text = await self._prompt_text(sub)
-                for i in range(params.n):
-                    yield chunk(sub.index_base + i, text, None)
-        stream_usage = StreamUsage()
-        async for sub, output in merge_streams((s, self.stream(s, params)) for s in subs):
-            stream_usage.add(output)
-            for c in output.outputs:
-                yield chunk(sub.index_base + c.index, c.text, c)
-        if include_usage:
-            yield {
-                "id": response_id,
-                "object": "text_completion",
-                "created": created,
-                "model": model,
-                "choices": [],
-                "usage": stream_usage.body(),
-            }
 
     # ---- chat ----------------------------------------------------------------------------
 
@@ -189,11 +142,3 @@ class OpenAIServing(ServingBase):
                 raise result
         encoded = iter(results)
         return [next(encoded) if isinstance(p, str) else p for p in prompts]  # type: ignore[misc]
-
-    async def _prompt_text(self, sub: Sub) -> str:
-        if isinstance(sub.prompt, str):
-            return sub.prompt
-        try:
-            return await self.pool.decode(sub.prompt_ids)
-        except TokenizerPoolError as exc:
-            raise internal_error(str(exc)) from None

@@ -21,24 +21,25 @@ import itertools
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 from pagoda.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestFailedError, RequestStream
 from pagoda.engine.lora_requests import UnknownLoRAError
+from pagoda.entrypoints.openai.completion_logprobs import TokenText
 from pagoda.entrypoints.openai.errors import (
     OpenAIError,
     bad_request,
     internal_error,
-    sampling_error,
     service_unavailable,
     too_many_requests,
 )
 from pagoda.entrypoints.openai.limits import AdmissionControl, RequestChecker
-from pagoda.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from pagoda.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, extended_sampling_error
 from pagoda.entrypoints.openai.reasoning_parsers import ReasoningParser
 from pagoda.entrypoints.openai.structured_request import compile_error, spec_chars
-from pagoda.entrypoints.openai.tokenizer_pool import TokenizerPool
+from pagoda.entrypoints.openai.tokenizer_pool import TokenizerPool, TokenizerPoolError
 from pagoda.entrypoints.openai.tool_parsers import ToolParser
+from pagoda.entrypoints.openai.unknown_fields import UnknownFields
 from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import SamplingParams
 from pagoda.structured_output.compiler import CompileQueueFull
@@ -58,6 +59,7 @@ class Sub:
     stream: Optional[RequestStream] = None  # set by ServingBase.submit
     model: str = ""  # the name responses carry: the base model's, or the adapter's
     lora_name: Optional[str] = None  # the adapter the request runs with; None: the base model
+    priority: int = 0  # the request's scheduling priority (lower first, with --scheduling-policy priority)
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +69,25 @@ class ChatOptions:
     enable_auto_tool_choice: bool = False
     tool_parser: Optional[ToolParser] = None
     reasoning_parser: Optional[ReasoningParser] = None
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOptions:
+    """The server flags that shape requests and responses (each a ``ServerConfig`` field of the same name)."""
+
+    return_tokens_as_token_ids: bool = False
+    strict_request_fields: bool = False
+    max_logprobs: int = 20
+    enable_force_include_usage: bool = False
+    response_role: str = "assistant"
+
+    @classmethod
+    def from_config(cls, config: Any) -> RequestOptions:
+        """The options of a ``ServerConfig``."""
+        return cls(**{name: getattr(config, name) for name in cls.__dataclass_fields__})
+
+
+Request = Union[CompletionRequest, ChatCompletionRequest]
 
 
 class ServingBase:
@@ -81,6 +102,7 @@ class ServingBase:
         admission: AdmissionControl,
         metrics=None,
         chat_options: Optional[ChatOptions] = None,
+        request_options: Optional[RequestOptions] = None,
     ) -> None:
         self.engine = engine
         self.model_name = model_name
@@ -89,11 +111,17 @@ class ServingBase:
         self.admission = admission
         self.metrics = metrics
         self.chat_options = chat_options or ChatOptions()
+        self.request_options = request_options or RequestOptions()
+        self.unknown_fields = UnknownFields(self.request_options.strict_request_fields)
         self._engine_ids = itertools.count()
 
     def sampling_params(
         self, body: Union[CompletionRequest, ChatCompletionRequest], spec: Optional[StructuredOutputsParams] = None
     ) -> SamplingParams:
+        """The request's SamplingParams, after its unknown fields and logprobs counts are checked (400s)."""
+        endpoint = "chat completions" if isinstance(body, ChatCompletionRequest) else "completions"
+        self.unknown_fields.check(body.unknown_fields, endpoint)
+        self.check_logprobs(body)
         defaults = self.engine.engine.model_config.generation_defaults
         if self.engine.engine.args.generation_config == "vllm":
             defaults = {}
@@ -135,13 +163,46 @@ class ServingBase:
                 raise too_many_requests(1) from None
             raise
 
+    def check_logprobs(self, body: Request) -> None:
+        """400 for logprobs counts above ``--max-logprobs`` (chat's ``logprobs`` is a flag, not a count)."""
+        limit = self.request_options.max_logprobs
+        for name in ("logprobs", "top_logprobs", "prompt_logprobs"):
+            value = getattr(body, name, None)
+            if isinstance(value, int) and not isinstance(value, bool) and value > limit:
+                raise bad_request(f"{name}={value} exceeds the server's maximum of {limit} (--max-logprobs)", name)
+
+    def include_usage(self, body: Request) -> bool:
+        """Whether a stream ends with a usage chunk: asked for, or forced by ``--enable-force-include-usage``."""
+        asked = bool(body.stream_options and body.stream_options.include_usage)
+        return asked or self.request_options.enable_force_include_usage
+
+    def token_text(self, body: Request, params: SamplingParams) -> TokenText:
+        """How the request's tokens read in logprobs (``return_tokens_as_token_ids``: the request's, else the
+        server's)."""
+        as_ids = body.return_tokens_as_token_ids
+        if as_ids is None:
+            as_ids = self.request_options.return_tokens_as_token_ids
+        return TokenText(
+            self.engine.engine.tokenizer, params.skip_special_tokens, params.spaces_between_special_tokens, as_ids
+        )
+
     def check_sampling(self, body: Union[CompletionRequest, ChatCompletionRequest], params: SamplingParams) -> None:
         self.checker.check_sampling(params.n, body.stop, body.stop_token_ids, body.logit_bias)
 
-    def new_sub(self, kind: str, request_id: str, prompt_ids: list[int], model: Optional[str]) -> Sub:
+    def new_sub(
+        self, kind: str, request_id: str, prompt_ids: list[int], model: Optional[str], priority: int = 0
+    ) -> Sub:
         """The one engine request of a chat completion (``model``: the request's model field)."""
         name, lora_name = self.model_of(model)
-        return Sub(self.engine_id(kind, request_id), prompt_ids, prompt_ids, 0, model=name, lora_name=lora_name)
+        return Sub(
+            self.engine_id(kind, request_id),
+            prompt_ids,
+            prompt_ids,
+            0,
+            model=name,
+            lora_name=lora_name,
+            priority=priority,
+        )
 
     def model_of(self, model: Optional[str]) -> tuple[str, Optional[str]]:
         """(the name responses carry, the adapter to run with) for a request's model field, which the route has
@@ -149,6 +210,15 @@ class ServingBase:
         if model is None or model == self.model_name:
             return self.model_name, None
         return model, model
+
+    async def prompt_text(self, sub: Sub) -> str:
+        """The text a choice of ``sub`` echoes: a text prompt as sent, a token-id prompt decoded."""
+        if isinstance(sub.prompt, str):
+            return sub.prompt
+        try:
+            return await self.pool.decode(sub.prompt_ids)
+        except TokenizerPoolError as exc:
+            raise internal_error(str(exc)) from None
 
     def engine_id(self, kind: str, request_id: str) -> str:
         # Unique even when clients reuse an X-Request-Id, and still found in the logs by it.
@@ -159,12 +229,14 @@ class ServingBase:
         caller's admission reservation is handed over to the engine's own count in the same step)."""
         for sub in subs:
             try:
-                self.engine.engine.check_request(sub.prompt_ids, params)
+                self.engine.engine.check_request(sub.prompt_ids, params, sub.priority)
             except ValueError as exc:
                 raise _engine_refusal(exc) from None
         try:
             for sub in subs:
-                sub.stream = self.engine.submit(sub.request_id, sub.prompt_ids, params, sub.lora_name)
+                sub.stream = self.engine.submit(
+                    sub.request_id, sub.prompt_ids, params, sub.lora_name, priority=sub.priority
+                )
         except EngineDeadError:
             _close(subs)
             raise service_unavailable("the engine is not running; the request was not accepted") from None
@@ -208,7 +280,7 @@ class ServingBase:
 
 def _engine_refusal(exc: ValueError) -> OpenAIError:
     """400 for a request the engine cannot serve; its message starts with the field, or is about the prompt."""
-    error = sampling_error(exc)
+    error = extended_sampling_error(exc)
     if error.param is None and "prompt" in error.message:
         error.param = "prompt"
     return error

@@ -17,6 +17,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from pagoda.entrypoints.openai.chat_output import ChatOutputConfig, ChatOutputStreamer
+from pagoda.entrypoints.openai.completion_logprobs import prompt_logprobs_body
 from pagoda.entrypoints.openai.errors import bad_request, internal_error
 from pagoda.entrypoints.openai.http_guards import request_id_of
 from pagoda.entrypoints.openai.protocol import ChatCompletionRequest, message_dicts
@@ -81,13 +82,14 @@ class ChatServing:
                 raise bad_request(str(exc), param="messages") from None
             except TokenizerPoolError as exc:
                 raise internal_error(str(exc)) from None
-            sub = base.new_sub("chatcmpl", request_id, prompt_ids, body.model)
+            sub = base.new_sub("chatcmpl", request_id, prompt_ids, body.model, priority=body.priority)
             base.submit([sub], params)
         await base.admitted([sub])
         response_id, created = f"chatcmpl-{request_id}", int(time.time())
+        as_ids = base.token_text(body, params).as_token_ids
         if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            chunks = self._chunks(sub, params, plan.output, response_id, created, include_usage)
+            include_usage = base.include_usage(body)
+            chunks = self._chunks(sub, params, plan.output, response_id, created, include_usage, as_ids)
             return sse_response(chunks, request_id)
         output = await until_disconnected(raw, request_id, base.final(sub, params))
         if output is None:
@@ -99,7 +101,7 @@ class ChatServing:
                 {
                     "index": c.index,
                     "message": message,
-                    "logprobs": chat_logprobs(c, params.logprobs) if params.logprobs is not None else None,
+                    "logprobs": chat_logprobs(c, params.logprobs, as_ids) if params.logprobs is not None else None,
                     "finish_reason": _finish_reason(c, bool(message.get("tool_calls")), plan.output.tool_mode),
                     "stop_reason": c.stop_reason,
                 }
@@ -112,6 +114,7 @@ class ChatServing:
                 "model": sub.model,
                 "choices": choices,
                 "usage": usage([output]),
+                "prompt_logprobs": prompt_logprobs_body(output.prompt_logprobs),
             }
         )
 
@@ -142,7 +145,10 @@ class ChatServing:
             schema = required_tool_calls_schema(tools, body.parallel_tool_calls) if mode == "required" else None
             spec = StructuredOutputsParams(json=schema if schema is not None else named_tool_schema(tools, name))
             spec_field = "tools"
-        output = ChatOutputConfig(mode, name, parser, self.options.reasoning_parser, constrained=spec is not None)
+        role = self.base.request_options.response_role if body.add_generation_prompt else body.messages[-1].role
+        output = ChatOutputConfig(
+            mode, name, parser, self.options.reasoning_parser, constrained=spec is not None, role=role
+        )
         return _ChatPlan(tools if mode != "none" else None, output, spec, spec_field)
 
     async def _chunks(
@@ -153,6 +159,7 @@ class ChatServing:
         response_id: str,
         created: int,
         include_usage: bool,
+        as_token_ids: bool = False,
     ) -> AsyncIterator[dict]:
         def chunk(choices: list[dict], **extra) -> dict:
             return {
@@ -166,7 +173,7 @@ class ChatServing:
 
         yield chunk(
             [
-                {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                {"index": i, "delta": {"role": config.role, "content": ""}, "logprobs": None, "finish_reason": None}
                 for i in range(params.n)
             ]
         )
@@ -184,7 +191,9 @@ class ChatServing:
                 choice = {
                     "index": c.index,
                     "delta": delta,
-                    "logprobs": chat_logprobs(c, params.logprobs) if params.logprobs is not None else None,
+                    "logprobs": chat_logprobs(c, params.logprobs, as_token_ids)
+                    if params.logprobs is not None
+                    else None,
                     "finish_reason": _finish_reason(c, streamer.called_tools, config.tool_mode) if c.finished else None,
                 }
                 yield chunk([choice])
