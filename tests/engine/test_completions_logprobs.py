@@ -268,4 +268,4 @@ def test_priority_is_taken_and_reaches_the_engine(server):
     # reaches the engine: a non-zero priority needs --scheduling-policy priority (vLLM's rule), streamed or not
     for stream in (False, True):
         status, _, body = server.request("POST", "/v1/completions", {"prompt": PROMPT, "priority": 3, "stream": stream})
-        assert status == 400 and "priority" in body["error"]["message"], body
+        assert status == 400 and body["error"]["param"] == "priority", body

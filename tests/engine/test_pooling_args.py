@@ -48,3 +48,11 @@ def test_contradicting_spellings_are_refused(flags: tuple[str, ...]) -> None:
 def test_unknown_tasks_are_refused_by_the_parser() -> None:
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--task", "chat"])
+
+
+@pytest.mark.parametrize("engine_args", [{"task": "embed"}, {"task": "score"}, {"runner": "pooling"}])
+def test_the_generation_engine_refuses_a_pooling_task_instead_of_generating(engine_args) -> None:
+    from pagoda import LLM
+
+    with pytest.raises(ValueError, match="pagoda serve"):
+        LLM(**engine_args)

@@ -195,7 +195,7 @@ def test_a_config_file_with_unknown_keys_is_refused_in_one_line(tmp_path: Path) 
         (("--served-model-name", "a", "b"), "one name is served, got 2"),
         (("--ssl-keyfile", "/key.pem"), "HTTPS needs both --ssl-keyfile and --ssl-certfile"),
         (("--root-path", "llm"), "--root-path must start with '/'"),
-        (("--max-logprobs", "-1"), "--max-logprobs must be at least 0"),
+        (("--max-logprobs", "-2"), "max_logprobs must be -1"),
     ],
 )
 def test_values_pagoda_cannot_honour_are_refused_naming_them(args: tuple[str, ...], message: str) -> None:
@@ -203,6 +203,18 @@ def test_values_pagoda_cannot_honour_are_refused_naming_them(args: tuple[str, ..
         ns = parse(*args)
         apply_vllm_args(ns)
         server_config(ns).validate()
+
+
+def test_max_logprobs_bounds_the_engine_and_minus_one_is_the_vocabulary() -> None:
+    from pagoda import LLM, SamplingParams
+
+    llm = LLM(max_logprobs=-1)
+    vocab = llm.engine.model_config.vocab_size
+    assert llm.engine.max_logprobs == vocab
+    output = llm.generate(["Once"], SamplingParams(max_tokens=1, logprobs=vocab, temperature=0.0))[0].outputs[0]
+    assert len(output.logprobs[0]) == vocab
+    with pytest.raises(ValueError, match="exceeds the maximum of 3"):
+        LLM(max_logprobs=3).generate(["Once"], SamplingParams(max_tokens=1, logprobs=4))
 
 
 def test_model_flag_and_positional() -> None:

@@ -19,6 +19,7 @@ import torch
 import yaml
 from control_plane import CLUSTER_SCRIPT, REPO, Cluster, condition_of, run_pod_locally, wait_for
 from fake_hub import FakeHub
+from pooling_checkpoints import build_bge_folder
 from tiny_checkpoints import build_tiny_checkpoint
 
 from pagoda.config import builtin_model_path
@@ -63,6 +64,21 @@ def qwen3_folder(tmp_path_factory) -> Path:
     ):
         shutil.copy(builtin_model_path() / name, folder / name)
     return folder
+
+
+@pytest.fixture(scope="module")
+def bge_folder(tmp_path_factory) -> Path:
+    """A tiny bge-shaped sentence-transformers embedder (its pooling config in 1_Pooling/): the embeddings example's."""
+    return build_bge_folder(tmp_path_factory.mktemp("bert-raw"), tmp_path_factory.mktemp("bge"))
+
+
+@pytest.fixture(scope="module")
+def public_hub(bge_folder: Path) -> Iterator[FakeHub]:
+    """The Hub as anonymous clients see it: the public embedding model the examples name."""
+    files = {p.relative_to(bge_folder).as_posix(): p.read_bytes() for p in bge_folder.rglob("*") if p.is_file()}
+    with FakeHub() as hub:
+        hub.add_commit("BAAI/bge-small-en-v1.5", files)
+        yield hub
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +135,9 @@ def local_volumes(tmp_path: Path, qwen3_folder: Path, pod: dict[str, Any]) -> di
 
 
 @pytest.mark.parametrize("name", VALID)
-def test_every_example_is_refused_or_serves(cluster, operator, hub, qwen3_folder, tmp_path, name: str) -> None:
+def test_every_example_is_refused_or_serves(
+    cluster, operator, hub, public_hub, bge_folder, qwen3_folder, tmp_path, name: str
+) -> None:
     result, md = apply(cluster, example(EXAMPLES / name))
     assert result.returncode == 0, result.stderr
 
@@ -138,7 +156,9 @@ def test_every_example_is_refused_or_serves(cluster, operator, hub, qwen3_folder
     pod = detail["spec"]["template"]["spec"]
     # HF_ENDPOINT: the test double of the Hub. PAGODA_CACHE_DIR: the machine's own kernel build cache, not the cache
     # volume's (a fresh folder here), so that each pod does not compile the CPU kernels again (~40 s each).
-    extra_env = {"HF_ENDPOINT": hub.url, "PAGODA_CACHE_DIR": str(Path.home() / ".cache" / "pagoda")}
+    spec = cluster.get("modeldeployment", md, NS)["spec"]
+    hub_url = hub.url if "hfTokenSecretRef" in spec["model"] else public_hub.url
+    extra_env = {"HF_ENDPOINT": hub_url, "PAGODA_CACHE_DIR": str(Path.home() / ".cache" / "pagoda")}
     volumes = local_volumes(tmp_path, qwen3_folder, pod)
     local = run_pod_locally(cluster, NS, pod, volumes, extra_env, tmp_path / "engine.log")
     try:
@@ -146,12 +166,25 @@ def test_every_example_is_refused_or_serves(cluster, operator, hub, qwen3_folder
         served = body["spec"]["model"].get("servedModelName", md)
         key = API_KEY if "apiKeySecretRef" in body["spec"] else "unused"
         client = openai.OpenAI(base_url=local.server.base_url, api_key=key, max_retries=0)
+        if body["spec"].get("task", "generate") == "embed":
+            assert_embeds_as_sentence_transformers(client, served, bge_folder)
+            return
         chat = client.chat.completions.create(
             model=served, messages=[{"role": "user", "content": "Once upon a time"}], max_tokens=4
         )
         assert chat.choices[0].finish_reason == "length" and chat.usage.completion_tokens == 4
     finally:
         local.server.stop()
+
+
+def assert_embeds_as_sentence_transformers(client: openai.OpenAI, served: str, folder: Path) -> None:
+    """The pod serves the Hub's embedder with its own pooling (mean, from 1_Pooling/config.json) and normalisation."""
+    from sentence_transformers import SentenceTransformer
+
+    texts = ["the cat sat on the mat", "what is the sun"]
+    got = torch.tensor([d.embedding for d in client.embeddings.create(model=served, input=texts).data])
+    want = torch.from_numpy(SentenceTransformer(str(folder), device="cpu").encode(texts))
+    assert torch.nn.functional.cosine_similarity(got, want).min() >= 0.9999
 
 
 def test_a_spec_outside_the_engines_contract_is_admitted_then_refused_naming_the_field(cluster, operator) -> None:

@@ -27,6 +27,7 @@ from pagoda.model_overrides import check_overrides, json_object_flag
 from pagoda.options import option
 
 DEFAULT_BLOCK_SIZE = 16
+DEFAULT_MAX_LOGPROBS = 20  # vLLM's
 # awq, gptq, fp8, int8 (see pagoda.quantization); the devices of each are in pagoda.capabilities
 QUANTIZATIONS = tuple(QUANTIZATION_DEVICES)
 DEFAULT_MAX_NUM_SEQS = 256
@@ -135,6 +136,10 @@ class EngineArgs:
     enable_prefix_caching: bool = option(True, "reuse cached KV blocks")
     enable_chunked_prefill: bool = option(True, "split long prompts over steps so decodes keep flowing")
     seed: int = option(0, "seeds the engine's RNG (unseeded requests)")
+    max_logprobs: int = option(
+        DEFAULT_MAX_LOGPROBS,
+        "largest logprobs / top_logprobs / prompt_logprobs a request may ask for (as vLLM's); -1: the vocabulary",
+    )
     scheduling_policy: str = option(
         "fcfs",
         "fcfs: requests run in arrival order; priority: by the request's priority (lower first, ties by "
@@ -252,6 +257,8 @@ class EngineArgs:
         """Check the values that do not depend on the model."""
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
             raise ValueError(f"block_size must be a power of two between 1 and 128, got {self.block_size}")
+        if self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be -1 (no limit) or at least 0, got {self.max_logprobs}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:

@@ -67,7 +67,16 @@ MODEL_FILE_PATTERNS = (
     "chat_template.jinja",
     "chat_template.json",
     "adapter_config.json",
+    # sentence-transformers embedders (pooling models): which modules, and the pooling module's own config below
+    "modules.json",
+    "sentence_bert_config.json",
+    "config_sentence_transformers.json",
 )
+# The only files below the top level a model needs (named exactly): sentence-transformers' pooling config.
+NESTED_MODEL_FILES = ("1_Pooling/config.json",)
+# The Hub filter matches whole paths, and a * in MODEL_FILE_PATTERNS crosses folders: those matches below the top
+# level are ignored, as is anything two folders deep, which leaves the top level and NESTED_MODEL_FILES.
+_HUB_IGNORED = ("*/*/*", *(f"*/{pattern}" for pattern in MODEL_FILE_PATTERNS if "*" in pattern))
 _HF_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
 _S3_COMPLETE = ".pagoda-complete.json"
 
@@ -197,8 +206,8 @@ def _download_hf(
             repo_id,
             revision=revision,
             cache_dir=download_dir,
-            allow_patterns=list(MODEL_FILE_PATTERNS),
-            ignore_patterns=["*/*"],
+            allow_patterns=[*MODEL_FILE_PATTERNS, *NESTED_MODEL_FILES],
+            ignore_patterns=list(_HUB_IGNORED),
             local_files_only=offline,
         )
     except hf_errors.GatedRepoError:
@@ -318,6 +327,7 @@ def _download(source: ModelSource, folder: Path, url: str, marker: str) -> None:
     with tqdm(total=total, unit="B", unit_scale=True, desc=f"Downloading {url}", disable=not todo) as bar:
         for name, (size, etag) in sorted(todo.items()):
             target = _object_path(folder, name, url)
+            target.parent.mkdir(parents=True, exist_ok=True)  # NESTED_MODEL_FILES have a folder of their own
             partial = target.with_name(f".{target.name}.incomplete.{os.getpid()}")
             key = f"{source.prefix}/{name}" if source.prefix else name
             client.download_file(source.bucket, key, str(partial), Callback=bar.update)
@@ -363,9 +373,16 @@ def _list(client, source: ModelSource) -> dict[str, tuple[int, str]]:
             if not item["Key"].startswith(prefix):  # a listing that strays from the prefix asked for
                 continue
             name = item["Key"][len(prefix) :]
-            if "/" not in name and any(fnmatch.fnmatch(name, p) for p in MODEL_FILE_PATTERNS):
+            if is_model_file(name):
                 found[name] = (int(item["Size"]), str(item.get("ETag", "")))
     return found
+
+
+def is_model_file(name: str) -> bool:
+    """Whether a remote file (``/``-separated, relative to the model's root) is one a model is served from."""
+    if name in NESTED_MODEL_FILES:
+        return True
+    return "/" not in name and any(fnmatch.fnmatch(name, pattern) for pattern in MODEL_FILE_PATTERNS)
 
 
 def _client_error(url: str, exc: botocore.exceptions.ClientError) -> ModelSourceError:

@@ -30,7 +30,6 @@ from pagoda.tokenizer import encode_prompt, get_tokenizer
 
 logger = logging.getLogger(__name__)
 
-MAX_LOGPROBS = 20
 # How long a step with nothing to run but compiling grammars waits for one of them before returning.
 _GRAMMAR_WAIT_S = 0.05
 
@@ -59,6 +58,11 @@ class LLMEngine(LoRAEngineMixin):
     """Loads a model, sizes the KV cache, and drives scheduler + model runner step by step."""
 
     def __init__(self, args: EngineArgs) -> None:
+        if args.task != "generate" or args.runner == "pooling":
+            raise ValueError(
+                f"this engine generates text; --task {args.task} (pooling models) is served by `pagoda serve`, and "
+                "offline by pagoda.pooling.engine.PoolingEngine"
+            )
         config = resolve_engine_config(args)  # downloads a remote model (or finds it in the cache) first
         self.config = config
         self.args = config.args
@@ -295,6 +299,12 @@ class LLMEngine(LoRAEngineMixin):
 
     # ---- helpers -------------------------------------------------------------------------
 
+    @property
+    def max_logprobs(self) -> int:
+        """The most logprobs a request may ask for per position (``--max-logprobs``; -1 is the whole vocabulary)."""
+        limit = self.args.max_logprobs
+        return self.model_config.vocab_size if limit == -1 else limit
+
     def check_request(self, prompt_ids: list[int], params: SamplingParams, priority: int = 0) -> None:
         """Raise ValueError if the engine cannot serve this prompt with these params (no side effects).
 
@@ -317,10 +327,11 @@ class LLMEngine(LoRAEngineMixin):
             )
         if params.n > self.scheduler.config.max_num_seqs:
             raise ValueError(f"n={params.n} exceeds max_num_seqs={self.scheduler.config.max_num_seqs}")
+        max_logprobs = self.max_logprobs
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
-            if value is not None and value > MAX_LOGPROBS:
-                raise ValueError(f"{name}={value} exceeds the maximum of {MAX_LOGPROBS}")
+            if value is not None and value > max_logprobs:
+                raise ValueError(f"{name}={value} exceeds the maximum of {max_logprobs} (--max-logprobs)")
         validate_for_vocab(params, vocab)
         if params.min_tokens > 0:
             stop_ids = params.all_stop_token_ids | (

@@ -13,6 +13,7 @@ from pagoda.attention.protocol import AttentionBackend, AttentionMetadata, build
 from pagoda.attention.torch_backend import TorchAttentionBackend
 from pagoda.attention.triton_backend import TritonAttentionBackend
 from pagoda.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from pagoda.cpu import cpu_ops
 from pagoda.distributed.parallel import TensorParallel
 from pagoda.layers.linear_kernels import prepare_linear_layers
 from pagoda.loader import load_model
@@ -57,6 +58,10 @@ class ModelRunner:
         if config.lora is not None:
             self.lora = LoRASlots(self.model, config.lora.max_loras, config.lora.max_rank, self.dtype, device)
         self.sampler = Sampler()
+        if device.type == "cpu":
+            # Build and load the native ops now, not in the first step that needs them (a grammar mask, say): the
+            # build takes tens of seconds and importing torch's extension loader holds the GIL for ~0.3 s.
+            cpu_ops()
         self.kv_caches: list[torch.Tensor] = []
         self.kv_shape: KVCacheShape | None = None
 

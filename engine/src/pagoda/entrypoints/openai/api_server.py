@@ -139,13 +139,9 @@ class ServerState:
             )
             store = ResponseStore(self.config.max_stored_responses)
             self.responses = ResponsesServing(self.serving, self.serving.chat_options, store)
-            # xgrammar takes seconds to import: load it now, off the request path, not on the first request.
-            threading.Thread(
-                target=_warm_up_structured_outputs,
-                args=(engine, self.config.limits),
-                name="grammar-warmup",
-                daemon=True,
-            ).start()
+            # xgrammar's import and tokenizer tables: before the server is ready, not on the first request (nor
+            # beside the first requests, where its import holds the GIL for a tenth of a second or more).
+            _warm_up_structured_outputs(engine, self.config.limits)
             self.engine = async_engine
             logger.info("model %s loaded; ready", self.model_name)
         except Exception as exc:  # in the log, the termination message, /health and /ready; then exit 1

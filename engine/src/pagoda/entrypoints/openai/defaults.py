@@ -218,7 +218,6 @@ class ServerConfig:
     strict_request_fields: bool = option(
         False, "refuse (400) request fields this server does not know instead of ignoring them"
     )
-    max_logprobs: int = option(20, "largest logprobs / top_logprobs a request may ask for")
     enable_force_include_usage: bool = option(
         False, "streamed responses end with a usage chunk even when stream_options.include_usage is not set"
     )
@@ -275,5 +274,3 @@ class ServerConfig:
             raise ValueError("HTTPS needs both --ssl-keyfile and --ssl-certfile")
         if self.root_path and not self.root_path.startswith("/"):
             raise ValueError(f"--root-path must start with '/', got {self.root_path!r}")
-        if self.max_logprobs < 0:
-            raise ValueError(f"--max-logprobs must be at least 0, got {self.max_logprobs}")

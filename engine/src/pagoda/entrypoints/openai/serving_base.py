@@ -77,7 +77,6 @@ class RequestOptions:
 
     return_tokens_as_token_ids: bool = False
     strict_request_fields: bool = False
-    max_logprobs: int = 20
     enable_force_include_usage: bool = False
     response_role: str = "assistant"
 
@@ -116,10 +115,15 @@ class ServingBase:
         self._engine_ids = itertools.count()
 
     def sampling_params(
-        self, body: Union[CompletionRequest, ChatCompletionRequest], spec: Optional[StructuredOutputsParams] = None
+        self,
+        body: Union[CompletionRequest, ChatCompletionRequest],
+        spec: Optional[StructuredOutputsParams] = None,
+        endpoint: Optional[str] = None,
     ) -> SamplingParams:
-        """The request's SamplingParams, after its unknown fields and logprobs counts are checked (400s)."""
-        endpoint = "chat completions" if isinstance(body, ChatCompletionRequest) else "completions"
+        """The request's SamplingParams, after its unknown fields and logprobs counts are checked (400s).
+        ``endpoint`` names the endpoint in the unknown-field warning (default: completions or chat completions)."""
+        if endpoint is None:
+            endpoint = "chat completions" if isinstance(body, ChatCompletionRequest) else "completions"
         self.unknown_fields.check(body.unknown_fields, endpoint)
         self.check_logprobs(body)
         defaults = self.engine.engine.model_config.generation_defaults
@@ -165,7 +169,7 @@ class ServingBase:
 
     def check_logprobs(self, body: Request) -> None:
         """400 for logprobs counts above ``--max-logprobs`` (chat's ``logprobs`` is a flag, not a count)."""
-        limit = self.request_options.max_logprobs
+        limit = self.engine.engine.max_logprobs
         for name in ("logprobs", "top_logprobs", "prompt_logprobs"):
             value = getattr(body, name, None)
             if isinstance(value, int) and not isinstance(value, bool) and value > limit:
@@ -279,9 +283,12 @@ class ServingBase:
 
 
 def _engine_refusal(exc: ValueError) -> OpenAIError:
-    """400 for a request the engine cannot serve; its message starts with the field, or is about the prompt."""
+    """400 for a request the engine cannot serve; its message starts with the field, or is about the priority
+    (vLLM's wording: "Got priority N but ...") or the prompt."""
     error = extended_sampling_error(exc)
-    if error.param is None and "prompt" in error.message:
+    if error.param is None and error.message.startswith("Got priority"):
+        error.param = "priority"
+    elif error.param is None and "prompt" in error.message:
         error.param = "prompt"
     return error
 

@@ -100,7 +100,7 @@ class ResponsesServing:
         messages = [*system, *history, *new_messages]
         base.checker.check_messages(messages)
         tools, output, spec, spec_field = self._plan(body)
-        params = self._sampling_params(body, spec)
+        params = base.sampling_params(body, spec, "responses")  # type: ignore[arg-type]
         if output.tool_mode == "auto" and params.skip_special_tokens:
             params = replace(params, skip_special_tokens=False)  # parsers read markers tokenizers may mark special
         base.check_sampling(body, params)  # type: ignore[arg-type]
@@ -127,13 +127,6 @@ class ResponsesServing:
             self._finish(run, run.response("cancelled", []), None)
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         return JSONResponse(result)
-
-    def _sampling_params(self, body: ResponsesRequest, spec: Optional[StructuredOutputsParams]) -> SamplingParams:
-        """The request's SamplingParams (its unknown fields checked as chat's are; 400s naming the field)."""
-        engine = self.base.engine.engine
-        self.base.unknown_fields.check(body.unknown_fields, "responses")
-        defaults = {} if engine.args.generation_config == "vllm" else engine.model_config.generation_defaults
-        return body.to_sampling_params(None, defaults, structured_outputs=spec)
 
     def _plan(
         self, body: ResponsesRequest
