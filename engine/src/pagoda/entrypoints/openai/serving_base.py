@@ -38,6 +38,7 @@ from pagoda.entrypoints.openai.protocol import ChatCompletionRequest, Completion
 from pagoda.entrypoints.openai.reasoning_parsers import ReasoningParser
 from pagoda.entrypoints.openai.structured_request import compile_error, spec_chars
 from pagoda.entrypoints.openai.tokenizer_pool import TokenizerPool, TokenizerPoolError
+from pagoda.entrypoints.openai.tool_choice import named_tool_schema, required_tool_calls_schema
 from pagoda.entrypoints.openai.tool_parsers import ToolParser
 from pagoda.entrypoints.openai.unknown_fields import UnknownFields
 from pagoda.outputs import RequestOutput
@@ -69,6 +70,35 @@ class ChatOptions:
     enable_auto_tool_choice: bool = False
     tool_parser: Optional[ToolParser] = None
     reasoning_parser: Optional[ReasoningParser] = None
+
+    def check_tool_choice(self, mode: str) -> None:
+        """400 for tool_choice "auto" on a server that runs without a tool parser."""
+        if mode == "auto" and (not self.enable_auto_tool_choice or self.tool_parser is None):
+            raise bad_request(
+                'tool_choice "auto" needs the server to run with --enable-auto-tool-choice and --tool-call-parser; '
+                'use tool_choice "required", a named tool, or "none"',
+                "tool_choice",
+            )
+
+
+def forced_tool_calls(
+    mode: str,
+    name: Optional[str],
+    tools: Optional[list[dict[str, Any]]],
+    parallel_tool_calls: bool,
+    spec: Optional[StructuredOutputsParams],
+    spec_field: Optional[str],
+) -> tuple[Optional[StructuredOutputsParams], Optional[str]]:
+    """The request's output constraint and its field: for tool_choice "required" or a named tool, the grammar that
+    forces the calls (a 400 if the request set another constraint too); otherwise ``spec`` as it is."""
+    if mode not in ("required", "named"):
+        return spec, spec_field
+    if spec is not None:
+        raise bad_request(f"tool_choice {mode!r} cannot be combined with {spec_field}", "tool_choice")
+    assert tools is not None
+    schema = required_tool_calls_schema(tools, parallel_tool_calls) if mode == "required" else None
+    assert schema is not None or name is not None
+    return StructuredOutputsParams(json=schema if schema is not None else named_tool_schema(tools, name)), "tools"
 
 
 @dataclass(frozen=True, slots=True)

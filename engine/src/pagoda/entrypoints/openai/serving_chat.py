@@ -29,12 +29,10 @@ from pagoda.entrypoints.openai.responses import (
     until_disconnected,
     usage,
 )
-from pagoda.entrypoints.openai.serving_base import ChatOptions, ServingBase, Sub
+from pagoda.entrypoints.openai.serving_base import ChatOptions, ServingBase, Sub, forced_tool_calls
 from pagoda.entrypoints.openai.structured_request import structured_outputs_of
 from pagoda.entrypoints.openai.tokenizer_pool import TokenizerPoolError
 from pagoda.entrypoints.openai.tool_choice import (
-    named_tool_schema,
-    required_tool_calls_schema,
     resolve_tool_choice,
     validate_tools,
 )
@@ -130,21 +128,10 @@ class ChatServing:
             mode, name = resolve_tool_choice(body.tool_choice, tools)
         except ValueError as exc:
             raise bad_request(str(exc), "tool_choice") from None
+        self.options.check_tool_choice(mode)
         parser = self.options.tool_parser
-        if mode == "auto" and (not self.options.enable_auto_tool_choice or parser is None):
-            raise bad_request(
-                'tool_choice "auto" needs the server to run with --enable-auto-tool-choice and --tool-call-parser; '
-                'use tool_choice "required", a named tool, or "none"',
-                "tool_choice",
-            )
         spec, spec_field = structured_outputs_of(body)
-        if mode in ("required", "named"):
-            if spec is not None:
-                raise bad_request(f"tool_choice {mode!r} cannot be combined with {spec_field}", "tool_choice")
-            assert tools is not None
-            schema = required_tool_calls_schema(tools, body.parallel_tool_calls) if mode == "required" else None
-            spec = StructuredOutputsParams(json=schema if schema is not None else named_tool_schema(tools, name))
-            spec_field = "tools"
+        spec, spec_field = forced_tool_calls(mode, name, tools, body.parallel_tool_calls, spec, spec_field)
         role = self.base.request_options.response_role if body.add_generation_prompt else body.messages[-1].role
         output = ChatOutputConfig(
             mode, name, parser, self.options.reasoning_parser, constrained=spec is not None, role=role

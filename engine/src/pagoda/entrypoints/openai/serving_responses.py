@@ -39,10 +39,9 @@ from pagoda.entrypoints.openai.responses_stream import (
     response_usage,
     sse_events,
 )
-from pagoda.entrypoints.openai.serving_base import ChatOptions, ServingBase, Sub
+from pagoda.entrypoints.openai.serving_base import ChatOptions, ServingBase, Sub, forced_tool_calls
 from pagoda.entrypoints.openai.structured_request import structured_outputs_of
 from pagoda.entrypoints.openai.tokenizer_pool import TokenizerPoolError
-from pagoda.entrypoints.openai.tool_choice import named_tool_schema, required_tool_calls_schema
 from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import SamplingParams
 from pagoda.structured_output.params import StructuredOutputsParams
@@ -137,26 +136,15 @@ class ResponsesServing:
             self.base.checker.check_tools(body.tools)
             tools = chat_tools(body.tools)
         mode, name = tool_choice_mode(body.tool_choice, tools)
+        self.options.check_tool_choice(mode)
         parser = self.options.tool_parser
-        if mode == "auto" and (not self.options.enable_auto_tool_choice or parser is None):
-            raise bad_request(
-                'tool_choice "auto" needs the server to run with --enable-auto-tool-choice and --tool-call-parser; '
-                'use tool_choice "required", a named function, or "none"',
-                "tool_choice",
-            )
         spec, spec_field = structured_outputs_of(body)
         formatted = text_format_spec(body.text)
         if formatted is not None:
             if spec is not None:
                 raise bad_request(f"give at most one of text.format and {spec_field}", "text.format")
             spec, spec_field = formatted, "text.format.schema" if formatted.json is not None else "text.format"
-        if mode in ("required", "named"):
-            if spec is not None:
-                raise bad_request(f"tool_choice {mode!r} cannot be combined with {spec_field}", "tool_choice")
-            assert tools is not None
-            schema = required_tool_calls_schema(tools, body.parallel_tool_calls) if mode == "required" else None
-            spec = StructuredOutputsParams(json=schema if schema is not None else named_tool_schema(tools, name))
-            spec_field = "tools"
+        spec, spec_field = forced_tool_calls(mode, name, tools, body.parallel_tool_calls, spec, spec_field)
         reasoning = self.options.reasoning_parser
         if (body.chat_template_kwargs or {}).get("enable_thinking") is False:
             reasoning = None  # thinking is off: the output is content, streamed as it comes (not held back)
