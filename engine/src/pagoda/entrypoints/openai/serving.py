@@ -32,7 +32,7 @@ from pagoda.entrypoints.openai.responses import (
 from pagoda.entrypoints.openai.serving_base import Prompt, ServingBase, Sub
 from pagoda.entrypoints.openai.serving_chat import ChatServing
 from pagoda.entrypoints.openai.structured_request import structured_outputs_of
-from pagoda.entrypoints.openai.tokenizer_pool import TokenizerPoolError
+from pagoda.entrypoints.openai.tokenizer_pool import TokenizerPool, TokenizerPoolError
 
 
 class OpenAIServing(ServingBase):
@@ -118,14 +118,7 @@ class OpenAIServing(ServingBase):
         return {"tokens": tokens, "count": len(tokens), "max_model_len": self.engine.engine.max_model_len}
 
     async def detokenize(self, body: DetokenizeRequest) -> dict[str, str]:
-        vocab = self.engine.engine.model_config.vocab_size
-        bad = [t for t in body.tokens if not 0 <= t < vocab]
-        if bad:
-            raise bad_request(f"token ids must be in [0, {vocab}); got {bad[:5]}", param="tokens")
-        try:
-            return {"prompt": await self.pool.decode(body.tokens)}
-        except TokenizerPoolError as exc:
-            raise internal_error(str(exc)) from None
+        return await detokenize_ids(self.pool, body.tokens, self.engine.engine.model_config.vocab_size)
 
     # ---- completion helpers ---------------------------------------------------------------
 
@@ -142,3 +135,14 @@ class OpenAIServing(ServingBase):
                 raise result
         encoded = iter(results)
         return [next(encoded) if isinstance(p, str) else p for p in prompts]  # type: ignore[misc]
+
+
+async def detokenize_ids(pool: TokenizerPool, tokens: list[int], vocab: int) -> dict[str, str]:
+    """``POST /detokenize``'s answer: the text of ``tokens`` (a 400 naming ``tokens`` for ids outside the vocabulary)."""
+    bad = [t for t in tokens if not 0 <= t < vocab]
+    if bad:
+        raise bad_request(f"token ids must be in [0, {vocab}); got {bad[:5]}", param="tokens")
+    try:
+        return {"prompt": await pool.decode(tokens)}
+    except TokenizerPoolError as exc:
+        raise internal_error(str(exc)) from None

@@ -34,6 +34,7 @@ from pagoda.entrypoints.openai.protocol_pooling import (
     ScoreRequest,
     ScoreResponse,
 )
+from pagoda.entrypoints.openai.serving import detokenize_ids
 from pagoda.entrypoints.openai.tokenizer_pool import TokenizerPool, TokenizerPoolError
 from pagoda.pooling.engine import AsyncPoolingEngine, PoolingEngine, PoolingEngineDead, PoolInput
 from pagoda.pooling.model import RERANK_PREFIX, RERANK_SUFFIX, rerank_prompt
@@ -142,14 +143,7 @@ class PoolingServing:
         return {"tokens": tokens, "count": len(tokens), "max_model_len": self.engine.engine.max_model_len}
 
     async def detokenize(self, body: DetokenizeRequest) -> dict[str, str]:
-        vocab = self.engine.engine.vocab_size
-        bad = [t for t in body.tokens if not 0 <= t < vocab]
-        if bad:
-            raise bad_request(f"token ids must be in [0, {vocab}); got {bad[:5]}", param="tokens")
-        try:
-            return {"prompt": await self.pool.decode(body.tokens)}
-        except TokenizerPoolError as exc:
-            raise internal_error(str(exc)) from None
+        return await detokenize_ids(self.pool, body.tokens, self.engine.engine.vocab_size)
 
     # ---- stages ---------------------------------------------------------------------------------
 
@@ -281,10 +275,8 @@ def add_pooling_routes(app: FastAPI, check_admission: Callable[[Optional[str]], 
     async def score(body: ScoreRequest) -> dict:
         return await serving_of(body.model).score(body)
 
-    @route("/v1/rerank", RerankResponse)
     async def rerank(body: RerankRequest) -> dict:
         return await serving_of(body.model).rerank(body)
 
-    @route("/rerank", RerankResponse)
-    async def rerank_jina(body: RerankRequest) -> dict:
-        return await serving_of(body.model).rerank(body)
+    for path in ("/v1/rerank", "/rerank"):  # vLLM's path and Jina's
+        route(path, RerankResponse)(rerank)
