@@ -5,12 +5,12 @@ mapped onto the Pagoda setting of the same meaning)."""
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 from collections.abc import Callable
 from typing import Any
 
+from pagoda.model_overrides import json_object_flag
 from pagoda.vllm_flags.table import CHECKED, DEFAULT, MAPPED, NO_EFFECT, PAGODA, REFUSED, VLLM_FLAGS, VllmFlag
 
 logger = logging.getLogger("pagoda.vllm_flags")
@@ -89,12 +89,7 @@ def _config(ns: argparse.Namespace, value: str) -> None:
 
 
 def _structured_outputs_config(ns: argparse.Namespace, value: str) -> None:
-    try:
-        config = json.loads(value)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"--structured-outputs-config: cannot parse {value!r} as JSON: {exc}") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"--structured-outputs-config must be a JSON object, got {value!r}")
+    config = json_object_flag("--structured-outputs-config")(value)
     unknown = sorted(set(config) - set(STRUCTURED_OUTPUT_KEYS))
     if unknown:
         raise ValueError(
