@@ -54,6 +54,7 @@ ENGINE_FLOORS: tuple[tuple[str, ...], ...] = (
         "pagoda.capabilities",
         "pagoda.model_config",
         "pagoda.model_overrides",
+        "pagoda.kv_events_config",
         "pagoda.model_source",
         "pagoda.confined_paths",
         "pagoda.startup_failure",
@@ -165,6 +166,9 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
 # The operator's floors, top first (same rules).
 OPERATOR_FLOORS: tuple[tuple[str, ...], ...] = (
     ("pagoda_operator",),
+    # the request router (`python -m pagoda_operator.router`): its server modules over its routing core (one floor,
+    # imports inside it run server -> core only); it uses the Kubernetes client, pod readiness and the shared names
+    ("pagoda_operator.router",),
     # `python -m pagoda_operator.run`: Lease leader election around the kopf handlers
     ("pagoda_operator.run",),
     # the kopf registrations (`kopf run -m pagoda_operator.main`)
@@ -186,6 +190,9 @@ OPERATOR_FLOORS: tuple[tuple[str, ...], ...] = (
     ("pagoda_operator.kube_config",),
     # plain data: the validated spec, pod readiness, status conditions
     ("pagoda_operator.spec", "pagoda_operator.pods", "pagoda_operator.conditions"),
+    # spec.routing and autoscaling.keda, parsed (below spec, which holds them), and InvalidSpec under both
+    ("pagoda_operator.spec_routing",),
+    ("pagoda_operator.spec_errors",),
     # the ground floor: names and defaults, the package version
     ("pagoda_operator.constants", "pagoda_operator.version"),
 )

@@ -35,6 +35,7 @@ class Server:
     process: subprocess.Popen
     port: int
     log_path: Optional[str] = None  # where its output goes, when not to a pipe
+    host: str = "127.0.0.1"  # another loopback address (127.0.0.5) stands in for a pod's IP in the cluster tests
 
     def log(self) -> str:
         """Everything the server has logged so far (servers started with ``log_path``)."""
@@ -44,12 +45,12 @@ class Server:
 
     @property
     def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}/v1"
+        return f"http://{self.host}:{self.port}/v1"
 
     def request(
         self, method: str, path: str, body: Any = None, headers: Optional[dict] = None, raw: Optional[bytes] = None
     ) -> tuple[int, dict, Any]:
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
+        conn = http.client.HTTPConnection(self.host, self.port, timeout=60)
         data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
         conn.request(method, path, body=data, headers={"Content-Type": "application/json", **(headers or {})})
         response = conn.getresponse()
@@ -60,7 +61,7 @@ class Server:
     def burst(self, path: str, bodies: list[Any]) -> list[tuple[int, dict, Any]]:
         """POST every body on its own connection, all sent back to back once every connection is
         open, so that the server reads them in (nearly) one event-loop iteration."""
-        sockets = [socket.create_connection(("127.0.0.1", self.port), timeout=120) for _ in bodies]
+        sockets = [socket.create_connection((self.host, self.port), timeout=120) for _ in bodies]
         for sock, body in zip(sockets, bodies):
             data = json.dumps(body).encode()
             head = f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"

@@ -232,12 +232,16 @@ def run_pod_locally(
     volumes: dict[str, Path],
     extra_env: dict[str, str],
     log: Path,
+    *,
+    host: str = "127.0.0.1",
+    port: Optional[int] = None,
 ) -> LocalPod:
     """Run ``pod``'s init containers, then start its engine container as a local server (ready).
 
     ``volumes`` maps a volume name of the pod to a local folder; ``/dev/shm`` stays the machine's. ``--host`` and
-    ``--port`` are replaced by 127.0.0.1 and a free port (the pod's network); ``extra_env`` is added (HF_ENDPOINT,
-    which the pod would not need in a cluster with internet access).
+    ``--port`` are replaced by ``host`` and ``port`` (default: 127.0.0.1 and a free port; a pod's own loopback address
+    such as 127.0.0.5 and the port it declares stand in for its network); ``extra_env`` is added (HF_ENDPOINT, which
+    the pod would not need in a cluster with internet access).
     """
     mounts = _mount_map(pod, volumes)
     for container in pod.get("initContainers") or []:
@@ -246,11 +250,11 @@ def run_pod_locally(
         assert result.returncode == 0, f"init container {container['name']} failed: {result.stderr[-3000:]}"
     (engine,) = pod["containers"]
     command, env = _command_and_env(cluster, namespace, engine, mounts, extra_env)
-    port = free_port()
-    command = _replace_flag(_replace_flag(command, "--host", "127.0.0.1"), "--port", str(port))
+    port = port or free_port()
+    command = _replace_flag(_replace_flag(command, "--host", host), "--port", str(port))
     with open(log, "w") as out:
         process = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
-    server = Server(process, port, str(log))
+    server = Server(process, port, str(log), host=host)
     wait_for(f"the engine of {pod.get('metadata', {}).get('name', 'the pod')} to be ready", lambda: _ready(server), 180)
     return LocalPod(server, mounts)
 

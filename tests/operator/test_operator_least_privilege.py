@@ -210,3 +210,16 @@ def test_kubectl_scale_while_autoscaling_is_on_is_ignored_with_a_warning(cluster
     until(operator, "2 replicas", lambda: cluster.get("deployment", name, NS)["spec"]["replicas"] == 2)
     assert len(cluster.events(name, "ScaleIgnored")) == 2
     assert_nothing_refused(operator)
+
+
+def test_routing_and_keda_children_use_only_what_the_chart_grants(cluster: Cluster, operator: Path) -> None:
+    # No GAIE or KEDA CRDs here: the API server answers the operator's requests for those kinds with a 404 only
+    # after RBAC let them through, so a rule the chart lacks shows as a refusal in the log.
+    name = "routed"
+    routing = {"inferencePool": {"enabled": True, "endpointPickerRef": {"name": "epp"}}, "objective": {"priority": 1}}
+    keda = {"enabled": True, "mode": "keda", "minReplicas": 0, "maxReplicas": 2}
+    cluster.apply_md(name, routing=routing, autoscaling={**keda, "keda": {"serverAddress": "http://prometheus:9090"}})
+    for kind, reason in (("RoutingAvailable", "RoutingUnavailable"), ("KedaAvailable", "KedaUnavailable")):
+        until(operator, kind, lambda k=kind, r=reason: cluster.md_condition(name, k).get("reason") == r)
+    cluster.kubectl("delete", "modeldeployment", name, "-n", NS, "--timeout=60s")
+    assert_nothing_refused(operator)

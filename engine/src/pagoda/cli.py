@@ -99,7 +99,24 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_args(serve)
     serve.set_defaults(handler=run_serve)
     add_model_commands(sub, serve, _HelpFormatter)
+    # Listed for --help only: main() hands `pagoda router ...` to the operator package before parsing.
+    sub.add_parser("router", help="the request router (pagoda-operator's `pagoda-router`; ARGS passed on)")
     return parser
+
+
+def _run_router(args: Sequence[str]) -> int:
+    """``pagoda router ARGS``: exec ``python -m pagoda_operator.router ARGS`` (the router lives in the operator
+    package, which the engine does not import)."""
+    import importlib.util
+    import os
+
+    if importlib.util.find_spec("pagoda_operator") is None:
+        print(
+            "pagoda: error: `pagoda router` needs the pagoda-operator package (pip install pagoda-operator)",
+            file=sys.stderr,
+        )
+        return 2
+    os.execv(sys.executable, [sys.executable, "-m", "pagoda_operator.router", *args])
 
 
 def parse_args(parser: argparse.ArgumentParser, argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -116,6 +133,9 @@ def _subcommand(parser: argparse.ArgumentParser, name: str) -> argparse.Argument
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    given = list(sys.argv[1:] if argv is None else argv)
+    if given[:1] == ["router"]:
+        return _run_router(given[1:])
     parser = build_parser()
     try:
         ns = parse_args(parser, argv)

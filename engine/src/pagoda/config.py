@@ -23,6 +23,7 @@ from pagoda.capabilities import (
     TENSOR_PARALLEL_MAX,
     builtin_model_path,
 )
+from pagoda.kv_events_config import KVEventsConfig, check_kv_events, parse_kv_events_config
 from pagoda.model_overrides import check_overrides, json_object_flag
 from pagoda.options import option
 
@@ -234,6 +235,12 @@ class EngineArgs:
         "repetition_penalty)",
         parse=json_object_flag("--override-generation-config"),
     )
+    kv_events_config: Optional[KVEventsConfig] = option(
+        None,
+        "vLLM's KV cache events (JSON: enable_kv_cache_events, publisher, endpoint, replay_endpoint, buffer_steps, "
+        "hwm, max_queue_size, topic): the prefix cache's stored and evicted blocks over ZeroMQ (docs/kv-events.md)",
+        parse=parse_kv_events_config,
+    )
 
     @property
     def lora_slots(self) -> int:
@@ -288,6 +295,8 @@ class EngineArgs:
         self._validate_lora()
         self._validate_parallelism()
         check_overrides(self.hf_overrides, self.override_generation_config)
+        self.kv_events_config = parse_kv_events_config(self.kv_events_config)  # LLM(kv_events_config={...}) too
+        check_kv_events(self.kv_events_config, self.enable_prefix_caching)
         self._validate_task()
         if self.hf_overrides and self.task != "generate":  # after --runner/--convert set the task
             raise ValueError(f"--hf-overrides is not supported with --task {self.task} yet (text generation only)")

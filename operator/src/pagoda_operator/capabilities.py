@@ -49,6 +49,7 @@ SPEC_FLAGS = {
     "--no-enable-lora": "spec.loraAdapters",
     "--no-allow-runtime-lora-updates": "spec.loraAdapters",
     "--task": "spec.task",
+    "--kv-events-config": "spec.routing.kvEvents",
     "--runner": "spec.task",
     "--convert": "spec.task",
     # a flags file would have to be in the pod, and it could set any of the above unseen
@@ -85,6 +86,8 @@ def check_capabilities(spec: ModelDeploymentSpec, contract: dict[str, Any] | Non
         raise InvalidSpec("spec.dtype", f"{spec.dtype} is not one of {', '.join(contract['dtypes'])}")
     if spec.chat_template is not None and not contract["chat_template"]:
         raise InvalidSpec("spec.engine.chatTemplate", "this engine does not take a chat template")
+    if spec.routing.kv_events and "--kv-events-config" not in contract["serve_flags"]:
+        raise InvalidSpec("spec.routing.kvEvents", "this engine does not publish KV cache events (--kv-events-config)")
     _check_extra_args(spec.extra_args, set(contract["serve_flags"]))
 
 

@@ -18,3 +18,19 @@ DEFAULT_ENGINE_IMAGE = os.environ.get("PAGODA_ENGINE_IMAGE", "ghcr.io/pagoda-dev
 WAITING_METRIC = "vllm:num_requests_waiting"
 # Seconds preStop sleeps so endpoints controllers and load balancers stop sending traffic before the drain starts.
 PRESTOP_SLEEP_SECONDS = 5
+
+# Scale from zero: the router stamps this annotation on a ModelDeployment (RFC 3339 UTC, e.g. 2026-12-03T14:00:00Z)
+# while it holds requests for a model with no ready pod; the built-in autoscaler reads it as demand for one replica.
+# The router never writes replicas: the operator stays their only writer in builtin mode.
+DEMAND_ANNOTATION = f"{GROUP}/demand-at"
+# Seconds a demand stamp counts for; the router re-stamps at most every DEMAND_STAMP_INTERVAL_SECONDS while it holds.
+DEMAND_TTL_SECONDS = 120
+DEMAND_STAMP_INTERVAL_SECONDS = 10
+# KV cache events (spec.routing.kvEvents): the engine's ZMQ publisher and replay ports, by container port name.
+KV_EVENTS_PORT = 5557
+KV_EVENTS_REPLAY_PORT = 5558
+KV_EVENTS_PORT_NAME = "kv-events"
+KV_EVENTS_REPLAY_PORT_NAME = "kv-replay"
+KV_EVENTS_TOPIC = "kv-events"
+# The router's own gauge of requests it holds for a model at zero ready pods (a KEDA trigger reads it too).
+ROUTER_HELD_METRIC = "pagoda_router_held_requests"

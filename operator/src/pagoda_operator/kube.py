@@ -57,6 +57,9 @@ _PLURALS = {
     "HorizontalPodAutoscaler": "horizontalpodautoscalers",
     "ConfigMap": "configmaps",
     "PodDisruptionBudget": "poddisruptionbudgets",
+    "InferencePool": "inferencepools",
+    "InferenceObjective": "inferenceobjectives",
+    "ScaledObject": "scaledobjects",
 }
 DEFAULT_PAGE_SIZE = 500  # client-go's pager default
 _AS_DICT = {200: "object", 201: "object", 202: "object"}  # "object": the library hands the decoded JSON back as is

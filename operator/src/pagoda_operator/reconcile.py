@@ -10,6 +10,12 @@ makes no writes at all. The status is written only where it changed (``status_ch
 With LoRA on, the adapter list ConfigMap is applied before the Deployment (its pods mount it), and the status says
 which adapters the Ready pods have loaded (``lora_status``: one HTTP GET per Ready pod per pass). A resource that
 never runs on fewer than two replicas also gets a PodDisruptionBudget (``builders.disruption``).
+
+Children of other projects' kinds (``spec.routing``: InferencePool, InferenceObjective; autoscaling mode ``keda``:
+ScaledObject) need those projects' CRDs. Where the API server does not know the kind (404 on the apply), the
+reconcile goes on without it: the other children are applied, the status shows ``RoutingAvailable`` or
+``KedaAvailable`` False (reason ``RoutingUnavailable``, ``KedaUnavailable``) and one Warning Event says so (once per
+change, as for an invalid spec); the next pass after the CRD is installed applies the child and sets it True.
 """
 
 from __future__ import annotations
@@ -31,11 +37,13 @@ from pagoda_operator.builders import (
     selector_string,
 )
 from pagoda_operator.builders.disruption import PDB_API_VERSION, PDB_PLURAL
+from pagoda_operator.builders.keda import SCALED_OBJECT_API_VERSION
+from pagoda_operator.builders.routing import INFERENCE_OBJECTIVE_API_VERSION, INFERENCE_POOL_API_VERSION
 from pagoda_operator.builders.service import endpoint_url
 from pagoda_operator.capabilities import check_capabilities
-from pagoda_operator.conditions import find_condition
+from pagoda_operator.conditions import Condition, find_condition
 from pagoda_operator.constants import API_VERSION, AUTOSCALER_FIELD_MANAGER, FIELD_MANAGER, PLURAL
-from pagoda_operator.kube import KubeClient, object_path, path_of
+from pagoda_operator.kube import KubeClient, KubeError, object_path, path_of
 from pagoda_operator.lora_status import observe_lora
 from pagoda_operator.scale_status import ScaleStatus, scale_status
 from pagoda_operator.spec import InvalidSpec, ModelDeploymentSpec, parse_spec
@@ -45,6 +53,9 @@ from pagoda_operator.status import compute_status, status_changes
 _VOLATILE_METADATA = frozenset({"managedFields", "resourceVersion", "generation"})
 # Where each kind of child lives, in the order ``delete_children`` deletes them.
 _CHILD_RESOURCES = {
+    "ScaledObject": (SCALED_OBJECT_API_VERSION, "scaledobjects"),  # before the HPA: KEDA's own HPA goes with it
+    "InferenceObjective": (INFERENCE_OBJECTIVE_API_VERSION, "inferenceobjectives"),
+    "InferencePool": (INFERENCE_POOL_API_VERSION, "inferencepools"),
     "HorizontalPodAutoscaler": ("autoscaling/v2", "horizontalpodautoscalers"),
     "PodDisruptionBudget": (PDB_API_VERSION, PDB_PLURAL),
     "Service": ("v1", "services"),
@@ -52,7 +63,25 @@ _CHILD_RESOURCES = {
     "ConfigMap": ("v1", "configmaps"),
 }
 # The children a spec may do without (``build_children`` gives None): the reconciler deletes one no longer wanted.
-_OPTIONAL_CHILDREN = ("HorizontalPodAutoscaler", "PodDisruptionBudget")
+_OPTIONAL_CHILDREN = (
+    "HorizontalPodAutoscaler",
+    "PodDisruptionBudget",
+    "InferencePool",
+    "InferenceObjective",
+    "ScaledObject",
+)
+# Kinds of other projects' CRDs, by the condition that says whether the API server knows them: (condition type,
+# reason while unknown, kinds, what to install).
+_INTEGRATIONS = (
+    (
+        "RoutingAvailable",
+        "RoutingUnavailable",
+        ("InferencePool", "InferenceObjective"),
+        "the Gateway API Inference Extension CRDs",
+    ),
+    ("KedaAvailable", "KedaUnavailable", ("ScaledObject",), "KEDA"),
+)
+_THIRD_PARTY = frozenset(kind for _, _, kinds, _ in _INTEGRATIONS for kind in kinds)
 
 
 def child_name(kind: str, owner: Owner) -> str:
@@ -153,9 +182,12 @@ async def _delete_child(kube: KubeClient, body: Mapping[str, Any], kind: str, ow
         kopf.info(dict(body), reason="Deleted", message=f"deleted {kind} {child_name(kind, owner)}")
 
 
-async def apply_children(kube: KubeClient, body: Mapping[str, Any], spec: ModelDeploymentSpec, owner: Owner) -> None:
-    """Create or re-apply the adapter list, Deployment, Service, HPA and disruption budget; delete the ones no longer
-    wanted."""
+async def apply_children(
+    kube: KubeClient, body: Mapping[str, Any], spec: ModelDeploymentSpec, owner: Owner
+) -> set[str]:
+    """Create or re-apply the adapter list, Deployment, Service, HPA, disruption budget, InferencePool,
+    InferenceObjective and ScaledObject; delete the ones no longer wanted. Returns the wanted kinds the API server
+    does not know (their CRD is not installed), which were skipped."""
     # with autoscaling on, the operator's apply leaves replicas to the autoscaler (built once per pass)
     children = build_children(spec, owner, include_replicas=not spec.autoscaling.enabled)
     config_map, deployment, service = children["ConfigMap"], children["Deployment"], children["Service"]
@@ -164,14 +196,72 @@ async def apply_children(kube: KubeClient, body: Mapping[str, Any], spec: ModelD
         await _ensure(kube, body, config_map)  # before the Deployment: its pods mount it
     await _apply_deployment(kube, body, spec, owner, deployment)
     await _ensure(kube, body, service)
+    missing: set[str] = set()
     for kind in _OPTIONAL_CHILDREN:
         manifest = children[kind]
-        if manifest is not None:
-            await _ensure(kube, body, manifest)
-        else:
-            await _delete_child(kube, body, kind, owner)
+        try:
+            if manifest is not None:
+                await _ensure(kube, body, manifest)
+            else:  # a GET of an unknown kind is a 404 too: nothing to delete
+                await _delete_child(kube, body, kind, owner)
+        except KubeError as error:
+            if error.status != 404 or kind not in _THIRD_PARTY:
+                raise
+            missing.add(kind)  # an apply found no such resource type: its CRD is not installed
     if config_map is None:  # LoRA off: after the Deployment, whose new template no longer mounts it
         await _delete_child(kube, body, "ConfigMap", owner)
+    return missing
+
+
+def _wanted_third_party(spec: ModelDeploymentSpec) -> set[str]:
+    """The kinds of other projects' CRDs this spec wants (see ``builders.children``)."""
+    wanted = set()
+    if spec.routing.inference_pool:
+        wanted |= {"InferencePool"} | ({"InferenceObjective"} if spec.routing.objective_priority is not None else set())
+    if spec.autoscaling.enabled and spec.autoscaling.mode == "keda":
+        wanted.add("ScaledObject")
+    return wanted
+
+
+def integration_conditions(
+    spec: Optional[ModelDeploymentSpec], missing: Optional[set[str]], previous: Mapping[str, Any]
+) -> list[Condition]:
+    """RoutingAvailable and KedaAvailable, each only while the spec wants one of its kinds: False naming the kinds
+    in ``missing`` (what this pass could not apply), else True. ``missing`` None (a pass that applied nothing, such
+    as a Deployment watch refresh): the conditions as ``previous`` (the live status) holds them."""
+    conditions: list[Condition] = []
+    wanted = _wanted_third_party(spec) if spec is not None else set()
+    for kind_of_condition, reason, kinds, install in _INTEGRATIONS:
+        ours = [kind for kind in kinds if kind in wanted]
+        if not ours:
+            continue
+        if missing is None:
+            live = find_condition(previous, kind_of_condition)
+            if live is not None:
+                status = {"True": True, "False": False}.get(live.get("status", ""))
+                conditions.append(Condition(kind_of_condition, status, live["reason"], live.get("message", "")))
+            continue
+        absent = [kind for kind in ours if kind in missing]
+        if absent:
+            message = f"the API server does not know {', '.join(absent)}: install {install}; other children applied"
+            conditions.append(Condition(kind_of_condition, False, reason, message))
+        else:
+            conditions.append(Condition(kind_of_condition, True, "Applied", f"applied {', '.join(ours)}"))
+    return conditions
+
+
+def _report_unavailable(body: Mapping[str, Any], conditions: list[Condition], reported: dict[str, str]) -> None:
+    """One Warning per missing integration and change (the memo and the live status, as ``_report_invalid``)."""
+    for condition in conditions:
+        key = f"unavailable:{condition.type}"
+        if condition.status is not False:
+            reported.pop(key, None)  # available again: a later loss is news
+            continue
+        live = find_condition(body.get("status") or {}, condition.type) or {}
+        in_status = live.get("status") == "False" and live.get("message") == condition.message
+        if reported.get(key) != condition.message and not in_status:
+            kopf.warn(dict(body), reason=condition.reason, message=condition.message)
+        reported[key] = condition.message
 
 
 async def delete_children(kube: KubeClient, body: Mapping[str, Any]) -> None:
@@ -215,10 +305,13 @@ async def observe(
     now: datetime.datetime,
     session: Optional[aiohttp.ClientSession] = None,
     scale: Optional[ScaleStatus] = None,
+    missing: Optional[set[str]] = None,
 ) -> dict[str, Any]:
     """The status for what the Deployment and its pods show right now (reads only; ``spec`` None while invalid).
     With ``session``, the Ready pods are asked which adapters they have loaded. ``scale``: the ignored-scale status
-    when the caller worked it out (it saw a change of spec.replicas); by default the one the status already holds."""
+    when the caller worked it out (it saw a change of spec.replicas); by default the one the status already holds.
+    ``missing``: the kinds ``apply_children`` could not apply this pass (None: it did not run; see
+    ``integration_conditions``)."""
     owner = Owner.from_body(body)
     previous = body.get("status") or {}
     deployment = await kube.get(child_path("Deployment", owner))
@@ -235,6 +328,7 @@ async def observe(
         served_model_name=spec.served_model_name if spec else None,
         lora=await observe_lora(session, spec, pods),
         scale=scale or scale_status(spec, owner.name, previous),
+        extra=integration_conditions(spec, missing, previous),
     )
 
 
@@ -254,14 +348,17 @@ async def reconcile(
     """
     owner = Owner.from_body(body)
     spec, error = spec_or_error(body)
+    reported = {} if reported is None else reported
+    missing: Optional[set[str]] = None
     if error is not None:
-        _report_invalid(body, error, {} if reported is None else reported)
+        _report_invalid(body, error, reported)
     elif spec is not None:
-        if reported is not None:
-            reported.pop("invalid", None)  # a later, identical mistake is news again
-        await apply_children(kube, body, spec, owner)
+        reported.pop("invalid", None)  # a later, identical mistake is news again
+        missing = await apply_children(kube, body, spec, owner)
+        _report_unavailable(body, integration_conditions(spec, missing, {}), reported)
     scale = scale_status(spec, owner.name, body.get("status") or {}, scaled_from)
-    status = await observe(kube, body, spec, error, now or datetime.datetime.now(datetime.UTC), session, scale)
+    now = now or datetime.datetime.now(datetime.UTC)
+    status = await observe(kube, body, spec, error, now, session, scale, missing)
     if scale.warning:  # only once the pass worked: a failed pass is retried, and would warn twice
         kopf.warn(dict(body), reason="ScaleIgnored", message=scale.warning)
     return status

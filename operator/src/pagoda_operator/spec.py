@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from pagoda_operator.constants import DEFAULT_ENGINE_IMAGE
+from pagoda_operator.spec_errors import InvalidSpec as InvalidSpec  # re-exported: callers import it from here
+from pagoda_operator.spec_routing import KedaSettings, Routing, check_scaling_mode, parse_keda, parse_routing
 
 # The CRD's CEL rule: the engine's weight-only int8 kernels are CPU kernels. Which method is served on which device
 # and which cannot be sharded over tensor-parallel workers is the engine's contract (capabilities.py), not this file.
@@ -28,24 +30,6 @@ _S3_URL = re.compile(r"^s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/[^\s]*)?$")
 _PERCENT = re.compile(r"^(0|[1-9][0-9]*)%$")  # the CRD's pattern for rollout percentages
 DEFAULT_DRAIN_SECONDS = 30
 TASKS = ("generate", "embed", "score")  # spec.task: the engine's --task (embed, score: pooling models, no LoRA)
-
-
-class InvalidSpec(ValueError):
-    """A spec problem the schema cannot express; ``field`` is its path, e.g. ``spec.autoscaling.minReplicas``."""
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(field, message)  # both in ``args``: the error copies and pickles like any ValueError
-
-    @property
-    def field(self) -> str:
-        return str(self.args[0])
-
-    @property
-    def message(self) -> str:
-        return str(self.args[1])
-
-    def __str__(self) -> str:
-        return f"{self.field}: {self.message}"
 
 
 @dataclass(slots=True, frozen=True)
@@ -106,6 +90,7 @@ class Autoscaling:
     target_waiting_requests: float = 5.0
     scale_up_stabilization_seconds: int = 0
     scale_down_stabilization_seconds: int = 300
+    keda: KedaSettings = field(default_factory=KedaSettings)  # mode keda's ScaledObject (spec_routing)
 
 
 @dataclass(slots=True, frozen=True)
@@ -172,6 +157,7 @@ class ModelDeploymentSpec:
     shm_size: Optional[str] = None  # spec.shmSize as given; unset: sized from gpus (builders.parallel)
     service_type: str = "ClusterIP"
     service_port: int = 8000
+    routing: Routing = field(default_factory=Routing)  # spec.routing (spec_routing)
 
     @property
     def min_replicas(self) -> int:
@@ -221,7 +207,9 @@ def _parse_autoscaling(raw: Mapping[str, Any]) -> Autoscaling:
         target_waiting_requests=float(raw.get("targetWaitingRequests", 5)),
         scale_up_stabilization_seconds=int(raw.get("scaleUpStabilizationSeconds", 0)),
         scale_down_stabilization_seconds=int(raw.get("scaleDownStabilizationSeconds", 300)),
+        keda=parse_keda(raw, str(raw.get("mode", "builtin")), bool(raw.get("enabled", False))),
     )
+    check_scaling_mode(scaling.mode, scaling.enabled, scaling.min_replicas)
     if scaling.enabled and scaling.min_replicas > scaling.max_replicas:
         raise InvalidSpec(
             "spec.autoscaling.minReplicas",
@@ -394,4 +382,5 @@ def parse_spec(body: Mapping[str, Any]) -> ModelDeploymentSpec:
         shm_size=str(spec["shmSize"]) if spec.get("shmSize") is not None else None,
         service_type=str(service.get("type", "ClusterIP")),
         service_port=int(service.get("port", 8000)),
+        routing=parse_routing(spec.get("routing"), spec.get("enablePrefixCaching")),
     )

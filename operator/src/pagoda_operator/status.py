@@ -175,14 +175,17 @@ def compute_status(
     served_model_name: Optional[str] = None,
     lora: Optional[LoraStatus] = None,
     scale: Optional[ScaleStatus] = None,
+    extra: Sequence[Condition] = (),
 ) -> dict[str, Any]:
     """The full ``.status`` to patch onto the ModelDeployment (``servedModelName``: the name clients send, also
     when the spec leaves it to default; null while the spec is invalid; ``loraAdapters`` null without LoRA, which
-    removes a stale list; ``ignoredScale`` null unless a scale is being ignored)."""
+    removes a stale list; ``ignoredScale`` null unless a scale is being ignored; ``extra``: more conditions, such as
+    the reconciler's RoutingAvailable and KedaAvailable)."""
     observed = (deployment or {}).get("status") or {}
     conditions = compute_conditions(error, deployment, pods) + ([lora.condition] if lora else [])
     if scale is not None and scale.condition is not None:
         conditions.append(scale.condition)
+    conditions += extra
     status: dict[str, Any] = {
         "replicas": int(observed.get("replicas") or 0),
         "readyReplicas": int(observed.get("readyReplicas") or 0),

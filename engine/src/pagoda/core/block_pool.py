@@ -14,6 +14,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Optional
 
+from pagoda.core.kv_events import KVEventCollector
+
 BlockHash = bytes
 
 
@@ -98,6 +100,7 @@ class BlockPool:
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[BlockHash, KVBlock] = {}
         self.num_evictions = 0
+        self.events: Optional[KVEventCollector] = None  # set when KV events are published (see kv_events)
 
     @property
     def num_free_blocks(self) -> int:
@@ -142,14 +145,16 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self.free_queue.append(block)
 
-    def cache_full_block(self, block: KVBlock, block_hash: BlockHash) -> None:
-        """Record that ``block`` holds the KV of the full block named by ``block_hash``."""
+    def cache_full_block(self, block: KVBlock, block_hash: BlockHash) -> bool:
+        """Record that ``block`` holds the KV of the full block named by ``block_hash``; whether that made the
+        hash findable (False: caching is off, the block has its hash already, or an identical block is cached)."""
         if not self.enable_caching or block.block_hash is not None:
-            return
+            return False
         if block_hash in self.cached:
-            return  # an identical block is already cached; keep the first one findable
+            return False  # an identical block is already cached; keep the first one findable
         block.block_hash = block_hash
         self.cached[block_hash] = block
+        return True
 
     def uncache(self, block: KVBlock) -> None:
         """Withdraw a block's hash (its KV was never written, e.g. its owner was preempted
@@ -162,6 +167,8 @@ class BlockPool:
         if self.cached.get(block.block_hash) is block:
             del self.cached[block.block_hash]
             self.num_evictions += 1
+            if self.events is not None:
+                self.events.removed(block.block_hash)
         block.block_hash = None
 
     def reset_prefix_cache(self) -> bool:
@@ -171,4 +178,6 @@ class BlockPool:
         for block in self.blocks:
             block.block_hash = None
         self.cached.clear()
+        if self.events is not None:
+            self.events.cleared()
         return True

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Optional
 
 from pagoda.core.block_pool import BlockPool, KVBlock, hash_block_tokens
+from pagoda.core.kv_events import KVEventCollector
 from pagoda.request import Request
 
 
@@ -19,12 +20,15 @@ class KVCacheManager:
     counts. ``allocate_slots`` returning ``None`` means "no room: preempt someone".
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_caching: bool = True, events: Optional[KVEventCollector] = None
+    ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching)
+        self.pool.events = events  # None: no KV events (nothing is logged)
         self.req_blocks: dict[str, list[KVBlock]] = {}
         self.num_cached_blocks: dict[str, int] = {}  # leading blocks of a sequence already hashed in the pool
         self.prefix_cache_queries = 0  # tokens looked up
@@ -153,9 +157,28 @@ class KVCacheManager:
             return
         self._update_block_hashes(request)
         blocks = self.req_blocks[request.request_id]
-        for i in range(start, num_full):
-            self.pool.cache_full_block(blocks[i], request.block_hashes[i])
+        hashes = request.block_hashes
+        if self.pool.events is None:
+            for i in range(start, num_full):
+                self.pool.cache_full_block(blocks[i], hashes[i])
+        else:
+            self._cache_and_log(request, start, num_full)
         self.num_cached_blocks[request.request_id] = num_full
+
+    def _cache_and_log(self, request: Request, start: int, stop: int) -> None:
+        """Cache blocks ``start:stop`` and log one BlockStored per run of them that entered the cache (a block
+        whose hash another block already holds is not stored again, and splits the run)."""
+        blocks, hashes, bs = self.req_blocks[request.request_id], request.block_hashes, self.block_size
+        run_start = None
+        for i in range(start, stop + 1):
+            if i < stop and self.pool.cache_full_block(blocks[i], hashes[i]):
+                run_start = i if run_start is None else run_start
+                continue
+            if run_start is not None:
+                parent = hashes[run_start - 1] if run_start > 0 else None
+                tokens = request.all_token_ids[run_start * bs : i * bs]
+                self.pool.events.stored(hashes[run_start:i], parent, tokens, request.lora_id)
+                run_start = None
 
 
 def _extra_keys(request: Request) -> tuple:

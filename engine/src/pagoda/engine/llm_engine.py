@@ -15,8 +15,10 @@ import torch
 
 from pagoda.config import EngineArgs
 from pagoda.core.kv_cache_manager import KVCacheManager
+from pagoda.core.kv_events import KVEventCollector
 from pagoda.core.scheduler import Scheduler
 from pagoda.engine.engine_config import resolve_engine_config
+from pagoda.engine.kv_event_publisher import start_kv_events
 from pagoda.engine.lora_requests import LoRAEngineMixin
 from pagoda.engine.output_processor import OutputProcessor
 from pagoda.executor import Executor, create_executor
@@ -75,6 +77,7 @@ class LLMEngine(LoRAEngineMixin):
         self.executor: Executor = create_executor(config.worker, config.parallel, config.cache)
         try:
             self.lora_registry = self._lora_registry(config)
+            self.kv_events = start_kv_events(self.args.kv_events_config, self.args.block_size)  # None: off
         except BaseException:
             self.executor.shutdown()
             raise
@@ -82,7 +85,9 @@ class LLMEngine(LoRAEngineMixin):
         num_blocks = self.executor.num_blocks
         self.scheduler = Scheduler(
             scheduler_config,
-            KVCacheManager(num_blocks, self.args.block_size, self.args.enable_prefix_caching),
+            KVCacheManager(
+                num_blocks, self.args.block_size, self.args.enable_prefix_caching, self._kv_event_collector()
+            ),
             adapter_ready=self._adapter_ready if self.lora_registry is not None else None,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -198,6 +203,8 @@ class LLMEngine(LoRAEngineMixin):
             output = self.fail_request(external_id, message)
             if output is not None:
                 outputs.append(output)
+        if self.kv_events is not None:  # this step's stored and evicted blocks (and those of aborts before it)
+            self.kv_events.flush()
         return grammar_failures + lora_failures + outputs
 
     # ---- structured outputs ----------------------------------------------------------------
@@ -252,6 +259,13 @@ class LLMEngine(LoRAEngineMixin):
         self.scheduler.finish_requests(self.output_processor.sequence_ids(request_id), RequestStatus.FINISHED_ERROR)
         return self.output_processor.fail_request(request_id, message, unavailable)
 
+    def _kv_event_collector(self) -> Optional[KVEventCollector]:
+        if self.kv_events is None:
+            return None
+        if self.lora_registry is not None:  # BlockStored names the adapter of the request
+            self.kv_events.collector.lora_name_of = self.lora_registry.name_of
+        return self.kv_events.collector
+
     def _external_id(self, seq_id: str) -> str:
         request = self.scheduler.requests.get(seq_id)
         return request.external_id if request is not None else seq_id.rpartition("#")[0]
@@ -262,8 +276,11 @@ class LLMEngine(LoRAEngineMixin):
         self.executor.add_death_listener(listener)
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel worker processes, if any (idempotent; the engine cannot step afterwards)."""
+        """Stop the tensor-parallel worker processes, if any, and the KV event publisher (idempotent; the engine
+        cannot step afterwards)."""
         self.executor.shutdown()
+        if self.kv_events is not None:
+            self.kv_events.close()
 
     def get_stats(self) -> EngineStats:
         kv = self.scheduler.kv

@@ -69,6 +69,7 @@ _SAME = (
     ),
     ("--override-generation-config", "JSON merged over the model's generation defaults (sampling keys)"),
     ("--hf-overrides", "JSON merged over config.json (keys that keep the weights' shapes; others refused)"),
+    ("--kv-events-config", "JSON: KV cache events over ZeroMQ in vLLM's wire format (unknown fields refused)"),
     ("--chat-template", "a Jinja chat template, inline or a file"),
     ("--response-role", "role of the chat completion's message"),
     ("--enable-auto-tool-choice", 'tool_choice "auto"'),

@@ -20,6 +20,15 @@ until the next one is recorded. So a tick that recommends what the last one did 
 (which stores it) is not rewritten every tick. A window sees every recommendation in force at some instant of it;
 a tick that could measure nothing records the current replicas (unknown is not zero), so a scale-down window
 starts over once the pods can be measured again.
+
+With ``minReplicas: 0`` (scale to and from zero):
+- at zero replicas (or zero ready pods) a fresh demand stamp (``autoscaler.demand``: the router holds requests for
+  the model) orders ``max(1, recommendation)`` at once, with no scale-up stabilization for the first replica
+  (reason ``ScaleFromZero``); without demand a model at zero stays there, quietly;
+- a tick recommends zero only when the model is idle: every ready pod measured, no request waiting *and* none
+  running (an engine that does not report its running requests is unknown, not idle), and no fresh demand. Any
+  other tick recommends at least one, so a model serving requests with an empty queue is never dropped. The
+  scale-down window then makes zero wait until the model has been idle for the whole window.
 """
 
 from __future__ import annotations
@@ -133,6 +142,21 @@ def _stabilized(history: Sequence[Recommendation], spec: Autoscaling, current: i
     return current
 
 
+def _idle(samples: Sequence[PodSample], metrics: DecisionMetrics) -> bool:
+    """Whether this tick measured a model doing nothing: ready pods, all known, none waiting or running."""
+    known = [s.metrics for s in samples if s.ready and s.metrics is not None]
+    running_known = all(m.running is not None for m in known)
+    return bool(known) and not metrics.pods_unknown and running_known and metrics.waiting == 0 and metrics.running == 0
+
+
+def _raw(samples: Sequence[PodSample], metrics: DecisionMetrics, spec: Autoscaling, demand: bool) -> int:
+    """This tick's clamped recommendation from the queue depth; with ``minReplicas: 0`` zero only when idle."""
+    raw = _clamp(math.ceil(metrics.waiting / spec.target_waiting_requests), spec)
+    if spec.min_replicas == 0 and (demand or not _idle(samples, metrics)):
+        raw = max(raw, 1)  # busy with an empty queue, or wanted: never zero
+    return raw
+
+
 def decide(
     samples: Sequence[PodSample],
     state: AutoscalerState,
@@ -140,31 +164,41 @@ def decide(
     current_replicas: int,
     now: float,
     convergence_timeout: float = CONVERGENCE_TIMEOUT_SECONDS,
+    *,
+    demand: bool = False,
 ) -> Decision:
-    """Desired replicas for the pods observed now, given the remembered recommendations (see the module doc)."""
+    """Desired replicas for the pods observed now, given the remembered recommendations and whether the router
+    holds requests for the model (``demand``: a fresh ``pagoda.dev/demand-at`` stamp; see the module doc)."""
     metrics = _metrics(samples)
     keep = max(spec.scale_up_stabilization_seconds, spec.scale_down_stabilization_seconds)
     history = _in_force_since(state.recommendations, now - keep)
     if metrics.pods_ready == metrics.pods_unknown:
-        # Nothing measurable: only the min/max clamp may act, never a metric-driven change.
+        # Nothing measurable: only the min/max clamp (and demand for a first replica) may act, never a metric.
         desired = _clamp(current_replicas, spec)
-        _record(history, now, desired)
         reason = "NoReadyPods" if metrics.pods_ready == 0 else "MetricsUnknown"
-        new_state = AutoscalerState(tuple(history), state.last_scale_time, state.last_scale_up_time)
         reason = reason if desired == current_replicas else "Clamped"
-        return _finish(desired, reason, metrics, new_state, None, now, current_replicas)
-    raw = _clamp(math.ceil(metrics.waiting / spec.target_waiting_requests), spec)
-    if metrics.pods_unknown:
-        raw = max(raw, _clamp(current_replicas, spec))  # unknown is not zero: no scale-down on missing data
-    if not history and raw < current_replicas:
-        # No remembered window (a new resource, or state lost): start one rather than scaling down at once.
-        history.append(Recommendation(now, _clamp(current_replicas, spec)))
-    _record(history, now, raw)
-    desired = _clamp(_stabilized(history, spec, current_replicas, now), spec)
-    reason = _reason(desired, current_replicas, raw, metrics)
-    converging = state.last_scale_up_time is not None and now - state.last_scale_up_time < convergence_timeout
-    if desired > current_replicas and converging and sum(s.ready for s in samples) < current_replicas:
-        desired, reason = current_replicas, "ScaleUpInProgress"
+        if desired == 0 and current_replicas == 0 and not demand:
+            reason = "ScaledToZero"
+        raw = None
+    else:
+        raw = _raw(samples, metrics, spec, demand)
+        if metrics.pods_unknown:
+            raw = max(raw, _clamp(current_replicas, spec))  # unknown is not zero: no scale-down on missing data
+        if not history and raw < current_replicas:
+            # No remembered window (a new resource, or state lost): start one rather than scaling down at once.
+            history.append(Recommendation(now, _clamp(current_replicas, spec)))
+        _record(history, now, raw)
+        desired = _clamp(_stabilized(history, spec, current_replicas, now), spec)
+        reason = _reason(desired, current_replicas, raw, metrics)
+        converging = state.last_scale_up_time is not None and now - state.last_scale_up_time < convergence_timeout
+        if desired > current_replicas and converging and sum(s.ready for s in samples) < current_replicas:
+            desired, reason = current_replicas, "ScaleUpInProgress"
+    if demand and current_replicas == 0:
+        # The router holds requests and nothing can serve them: the first replica now, past any window. (With
+        # replicas ordered but none ready yet, both branches above already keep at least one.)
+        desired, reason = max(desired, raw or 0, 1), "ScaleFromZero"
+    if raw is None:
+        _record(history, now, desired)
     new_state = AutoscalerState(tuple(history), state.last_scale_time, state.last_scale_up_time)
     return _finish(desired, reason, metrics, new_state, raw, now, current_replicas)
 
@@ -173,7 +207,9 @@ def _reason(desired: int, current: int, raw: int, metrics: DecisionMetrics) -> s
     if desired > current:
         return "ScaleUp"
     if desired < current:
-        return "ScaleDown"
+        return "ScaleToZero" if desired == 0 else "ScaleDown"
+    if desired == 0:
+        return "ScaledToZero"
     if metrics.pods_unknown and raw == current:
         return "MetricsUnknown"
     return "Stable" if raw == current else "Stabilizing"

@@ -12,7 +12,6 @@ metric values in ``lastDecision`` are those of the tick at which the decision la
 from __future__ import annotations
 
 import asyncio
-import datetime
 import logging
 from collections.abc import Mapping
 from typing import Any, Optional
@@ -22,6 +21,7 @@ import kopf
 
 from pagoda_operator.autoscaler.algorithm import Decision, PodSample, decide, from_status, to_status
 from pagoda_operator.autoscaler.deletion_cost import deletion_costs, write_deletion_costs
+from pagoda_operator.autoscaler.demand import format_stamp, has_demand
 from pagoda_operator.autoscaler.scrape import scrape
 from pagoda_operator.builders import Owner, replicas_apply, selector_labels
 from pagoda_operator.constants import AUTOSCALER_FIELD_MANAGER
@@ -57,10 +57,6 @@ async def sample_pods(session: aiohttp.ClientSession, pods: list[dict[str, Any]]
     return list(await asyncio.gather(*(one(p) for p in live)))
 
 
-def _stamp(seconds: float) -> str:
-    return datetime.datetime.fromtimestamp(seconds, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
 def decision_status(decision: Decision, current: int) -> dict[str, Any]:
     """The status fields that make a decision visible (and the state that survives a restart)."""
     m = decision.metrics
@@ -79,7 +75,7 @@ def decision_status(decision: Decision, current: int) -> dict[str, Any]:
         "autoscaler": to_status(decision.state),
     }
     if decision.state.last_scale_time is not None:
-        status["lastScaleTime"] = _stamp(decision.state.last_scale_time)
+        status["lastScaleTime"] = format_stamp(decision.state.last_scale_time)
     return status
 
 
@@ -117,6 +113,15 @@ def describe(decision: Decision, current: int) -> str:
     )
 
 
+def event_reason(desired: int, current: int) -> str:
+    """The Event's reason for a change of replicas: from and to zero are named, as they start or stop a model."""
+    if current == 0:
+        return "ScaledFromZero"
+    if desired == 0:
+        return "ScaledToZero"
+    return "ScaledUp" if desired > current else "ScaledDown"
+
+
 async def autoscale_once(
     kube: KubeClient,
     session: aiohttp.ClientSession,
@@ -135,13 +140,15 @@ async def autoscale_once(
     pods = await kube.list(object_path("v1", "pods", owner.namespace), selector_labels(owner))
     samples = await sample_pods(session, pods, spec.served_model_name)
     state = from_status((body.get("status") or {}).get("autoscaler"))
-    decision = decide(samples, state, spec.autoscaling, current, now)
+    # The router's demand stamp is read from the body kopf handed this tick (the annotation, not replicas, is all
+    # the router writes), so the decision stays a function of what the cluster holds.
+    decision = decide(samples, state, spec.autoscaling, current, now, demand=has_demand(body, now))
     if decision.desired < current:
         await write_deletion_costs(kube, owner.namespace, deletion_costs(pods, samples))
     if decision.desired != current:
         await kube.apply(replicas_apply(owner, decision.desired), manager=AUTOSCALER_FIELD_MANAGER)
         message = describe(decision, current)
-        kopf.info(dict(body), reason="ScaledUp" if decision.desired > current else "ScaledDown", message=message)
+        kopf.info(dict(body), reason=event_reason(decision.desired, current), message=message)
         logger.info(f"ModelDeployment {owner.namespace}/{owner.name}: {message}")
     else:
         logger.debug(f"ModelDeployment {owner.namespace}/{owner.name}: {describe(decision, current)}")

@@ -28,6 +28,7 @@ from typing import Any, Optional
 from pagoda_operator.builders.lora import lora_args, lora_volume
 from pagoda_operator.builders.meta import Owner, child_labels, child_metadata, selector_labels
 from pagoda_operator.builders.parallel import shm_size, tensor_parallel_env
+from pagoda_operator.builders.routing import kv_events_args, kv_events_ports, routing_pod_labels
 from pagoda_operator.builders.sources import PVC_MOUNT_ROOT, source_argument
 from pagoda_operator.constants import ENGINE_PORT, PRESTOP_SLEEP_SECONDS
 from pagoda_operator.spec import ModelDeploymentSpec
@@ -72,6 +73,7 @@ def engine_args(spec: ModelDeploymentSpec) -> list[str]:
     if template is not None:
         args += ["--chat-template", template.inline or f"{CHAT_TEMPLATE_MOUNT}/{template.config_map.key}"]
     args += ["--shutdown-timeout", str(spec.drain_seconds)]
+    args += kv_events_args(spec)  # spec.routing.kvEvents (builders.routing)
     return args + list(spec.extra_args)
 
 
@@ -207,7 +209,7 @@ def _pagoda_container(
 def _container(spec: ModelDeploymentSpec, owner: Owner) -> dict[str, Any]:
     container = _pagoda_container(spec, "engine", "serve", engine_args(spec), _env(spec))
     container.update(
-        ports=[{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}],
+        ports=[{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}, *kv_events_ports(spec)],
         resources=_resources(spec),
         volumeMounts=_volumes(spec, owner)[1],
         # Loading a large model may take many minutes: the startup probe allows 30 of them before liveness counts.
@@ -273,7 +275,11 @@ def build_deployment(spec: ModelDeploymentSpec, owner: Owner, *, include_replica
             "type": "RollingUpdate",
             "rollingUpdate": {"maxSurge": spec.rollout.max_surge, "maxUnavailable": spec.rollout.max_unavailable},
         },
-        "template": {"metadata": {"labels": child_labels(owner)}, "spec": _pod_spec(spec, owner)},
+        # the pod template may carry more labels than the selector (endpoint pickers read them), never fewer
+        "template": {
+            "metadata": {"labels": {**child_labels(owner), **routing_pod_labels(spec)}},
+            "spec": _pod_spec(spec, owner),
+        },
     }
     if spec.autoscaling.enabled:
         if include_replicas:
