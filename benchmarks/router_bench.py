@@ -1,7 +1,7 @@
 """`pagoda router` against straight-to-the-Service, same host, one run: prefix hit rate, TTFT, router overhead.
 
-Two `pagoda serve` replicas of the built-in stories260K model, each with a KV cache of ``--kv-blocks`` blocks (room
-for about half of the sessions' prefixes), behind
+Two `pagoda serve` replicas of the built-in stories260K model, each with a KV cache of ``--kv-cache-memory`` (room
+for a little more than half of the sessions' prompts), behind
 
 - the router (``python -m pagoda_operator.router --static-models``: the same picker a cluster deployment runs), and
 - "the Service": each request to a replica chosen at random, as kube-proxy's iptables mode spreads connections.
@@ -16,7 +16,7 @@ Router overhead: one replica alone, ``--overhead-requests`` tiny requests (one o
 straight to it and through the router; the difference of the p50 end-to-end latencies is the router's added latency.
 
     python benchmarks/router_bench.py
-    python benchmarks/router_bench.py --sessions 16 --turns 4 --prefix-tokens 200 --kv-blocks 150
+    python benchmarks/router_bench.py --sessions 16 --turns 4 --prefix-tokens 200 --kv-cache-memory 3MiB
 """
 
 from __future__ import annotations
@@ -66,10 +66,10 @@ async def wait_ready(url: str, process: subprocess.Popen, path: str, timeout: fl
     raise RuntimeError(f"{url} was not ready within {timeout:.0f} s")
 
 
-async def start_replica(directory: Path, index: int, kv_blocks: int) -> tuple[subprocess.Popen, str]:
+async def start_replica(directory: Path, index: int, kv_memory: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
     command = [sys.executable, "-m", "pagoda.cli", "serve", "--served-model-name", MODEL, "--host", "127.0.0.1"]
-    command += ["--port", str(port), "--num-gpu-blocks-override", str(kv_blocks), "--log-level", "warning"]
+    command += ["--port", str(port), "--kv-cache-memory", kv_memory, "--log-level", "warning"]
     process = start(command, directory / f"replica{index}.log")
     url = f"http://127.0.0.1:{port}"
     await wait_ready(url, process, "/ready")
@@ -154,7 +154,7 @@ async def bench(args: argparse.Namespace, directory: Path) -> dict:
     try:
         replicas = []
         for index in range(2):
-            process, url = await start_replica(directory, index, args.kv_blocks)
+            process, url = await start_replica(directory, index, args.kv_cache_memory)
             processes.append(process)
             replicas.append(url)
         router_process, router_url = await start_router(directory, replicas, "router")
@@ -209,7 +209,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--prefix-tokens", type=int, default=200)
     parser.add_argument("--turn-tokens", type=int, default=12)
-    parser.add_argument("--kv-blocks", type=int, default=150, help="each replica's KV cache, in 16-token blocks")
+    parser.add_argument(
+        "--kv-cache-memory", default="3MiB", help="each replica's KV cache (3MiB: 153 blocks of 16 tokens, ~9 sessions)"
+    )
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--overhead-requests", type=int, default=256)
     return parser.parse_args(argv)

@@ -36,6 +36,7 @@ VLLM_SERVE_FLAGS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("--port", ("8080",)),
     ("--api-key", ("sk-1", "sk-2")),
     ("--served-model-name", ("llama",)),
+    ("--kv-events-config", ('{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557"}',)),
     ("--max-model-len", ("32k",)),
     ("--dtype", ("bfloat16",)),
     ("--seed", ("0",)),

@@ -11,6 +11,7 @@ demand annotation, the operator's autoscaler scales to 1); SIGTERM of one pod mi
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import os
 import random
 import subprocess
@@ -33,9 +34,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(not CLUSTER_SCRIPT.exists(), 
 NS = "pagoda-router"
 OPERATOR_ENV = {"PAGODA_AUTOSCALE_INTERVAL": "1"}
 STORIES = REPO / "engine" / "src" / "pagoda" / "assets" / "models" / "stories260K"
-# Room for about 9 of the 16 sessions' prefixes per pod: a pod that sees every session (round-robin) evicts them
-# before they come back, a pod that sees half of them (prefix routing) keeps its half.
-SMALL_KV = ["--num-gpu-blocks-override", "150", "--block-size", "16"]
+# 153 blocks of 16 tokens (1,280 bytes a token: 5 layers, K and V, 4 heads of 8 fp32), room for about 10 of the 16
+# sessions' prompts (about 15 blocks each) per pod: a pod that sees every session (round-robin) evicts many before
+# they come back, a pod that sees half of them (prefix routing) keeps its half.
+SMALL_KV = ["--kv-cache-memory", "3MiB"]
 
 
 @pytest.fixture(scope="module")
@@ -180,7 +182,8 @@ def test_a_model_at_zero_replicas_answers_its_first_request_once_a_pod_is_ready(
         assert not reply.done()  # held, not refused
         kubelet.sync("zero")
         assert reply.result(timeout=120).choices[0].text
-    deployment = cluster.get("deployment", "zero", NS)
+    shown = cluster.kubectl("get", "deployment", "zero", "-n", NS, "-o", "json", "--show-managed-fields")
+    deployment = json.loads(shown.stdout)
     assert deployment["spec"]["replicas"] == 1
     managers = {m["manager"] for m in deployment["metadata"]["managedFields"] if "f:replicas" in str(m)}
     assert managers == {"pagoda-autoscaler"}, managers  # the router never wrote replicas

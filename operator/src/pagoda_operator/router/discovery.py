@@ -17,8 +17,9 @@ import asyncio
 import contextlib
 import datetime
 import logging
+import os
 import random
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from typing import Any, Optional
 
 import kopf
@@ -53,9 +54,8 @@ def connect(kubeconfig: Optional[str] = None) -> KubeClient:
 
 
 @contextlib.contextmanager
-def _environment(name: str, value: str):  # type: ignore[no-untyped-def]
-    import os
-
+def _environment(name: str, value: str) -> Iterator[None]:
+    """``os.environ[name] = value`` for the block (kopf's kubeconfig login reads only ``$KUBECONFIG``)."""
     old = os.environ.get(name)
     os.environ[name] = value
     try:
