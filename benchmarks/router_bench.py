@@ -37,8 +37,8 @@ import aiohttp
 import yaml
 
 from common import format_table, log, machine_facts, percentile
-from serve_common import HTTP_TIMEOUT, Client, RequestResult
 from serve_bench import free_port
+from serve_common import HTTP_TIMEOUT, Client, RequestResult
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "stories"
@@ -126,14 +126,24 @@ async def run_rounds(pick, rounds: list[list[list[int]]], concurrency: int) -> l
 async def measure_path(session, name, pick, replicas, rounds, args) -> dict:
     families = ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total")
     before = [sum([await counter(session, u, f) for u in replicas]) for f in families]
+    served = [await counter(session, u, "vllm:request_success_total") for u in replicas]
     results = await run_rounds(pick, rounds, args.concurrency)
+    await asyncio.sleep(0.5)  # the engines count a step's cache hits after it
     after = [sum([await counter(session, u, f) for u in replicas]) for f in families]
+    served = [int(await counter(session, u, "vllm:request_success_total") - s) for u, s in zip(replicas, served)]
     failed = [r.error for r in results if not r.ok]
     ttfts = [r.ttft for r in results if r.ttft is not None]
     hit_rate = (after[0] - before[0]) / max(1.0, after[1] - before[1])
-    log(f"{name}: hit rate {hit_rate:.3f}, TTFT p50 {percentile(ttfts, 50) * 1e3:.1f} ms, failed {len(failed)}")
-    return {"hit_rate": hit_rate, "ttft_p50": percentile(ttfts, 50), "ttft_p99": percentile(ttfts, 99),
-            "failed": len(failed)}
+    log(
+        f"{name}: hit rate {hit_rate:.3f}, TTFT p50 {percentile(ttfts, 50) * 1e3:.1f} ms, failed {len(failed)}, "
+        f"requests per replica {served}"
+    )
+    return {
+        "hit_rate": hit_rate,
+        "ttft_p50": percentile(ttfts, 50),
+        "ttft_p99": percentile(ttfts, 99),
+        "failed": len(failed),
+    }
 
 
 async def overhead(session, replica: str, router: str, args: argparse.Namespace) -> dict:
@@ -166,12 +176,14 @@ async def bench(args: argparse.Namespace, directory: Path) -> dict:
             routed = Client(session, router_url, MODEL, 2)
             rng = random.Random(0)
             service = await measure_path(
-                session, "service (random replica)", lambda i: rng.choice(direct), replicas,
-                sessions_rounds(1, args), args
+                session,
+                "service (random replica)",
+                lambda i: rng.choice(direct),
+                replicas,
+                sessions_rounds(1, args),
+                args,
             )
-            router = await measure_path(
-                session, "router", lambda i: routed, replicas, sessions_rounds(2, args), args
-            )
+            router = await measure_path(session, "router", lambda i: routed, replicas, sessions_rounds(2, args), args)
             added = await overhead(session, replicas[0], solo_url, args)
         return {"service": service, "router": router, "overhead": added}
     finally:
@@ -189,8 +201,9 @@ def report(result: dict, args: argparse.Namespace) -> str:
     rows = []
     for name in ("service", "router"):
         r = result[name]
-        rows.append((name, f"{r['hit_rate']:.3f}", f"{r['ttft_p50'] * 1e3:.1f}", f"{r['ttft_p99'] * 1e3:.1f}",
-                     str(r["failed"])))
+        rows.append(
+            (name, f"{r['hit_rate']:.3f}", f"{r['ttft_p50'] * 1e3:.1f}", f"{r['ttft_p99'] * 1e3:.1f}", str(r["failed"]))
+        )
     ratio = result["router"]["hit_rate"] / max(1e-9, result["service"]["hit_rate"])
     o = result["overhead"]
     lines = [

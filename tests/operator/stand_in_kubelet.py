@@ -49,9 +49,9 @@ class StandInKubelet:
             local.mkdir(parents=True, exist_ok=True)
             config_map = (volume.get("configMap") or {}).get("name")
             if config_map:
-                for key, value in (self.cluster.get("configmap", config_map, self.cluster.namespace) or {}).get(
-                    "data", {}
-                ).items():
+                for key, value in (
+                    (self.cluster.get("configmap", config_map, self.cluster.namespace) or {}).get("data", {}).items()
+                ):
                     (local / key).write_text(value)
             volumes[volume["name"]] = local
         # the machine's compiled kernels, not the pod's fresh cache folder (each pod would compile them again)

@@ -3,7 +3,8 @@
 router as a process watching the namespace, reached with the official ``openai`` client.
 
 What it shows, as the issue asks: requests for two models and a LoRA adapter land on the right pods; with 2 replicas
-and 16 sessions sharing long prefixes, the pods' own prefix-cache hit rate is at least twice what round-robin gets;
+and 16 sessions sharing long prefixes, the pods' own prefix-cache hit rate is near what sticky sessions allow and at
+least twice what round-robin gets;
 a model at zero replicas answers its first request with 200 once a pod is ready (the router holds it, stamps the
 demand annotation, the operator's autoscaler scales to 1); SIGTERM of one pod mid-run loses no request.
 """
@@ -34,10 +35,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(not CLUSTER_SCRIPT.exists(), 
 NS = "pagoda-router"
 OPERATOR_ENV = {"PAGODA_AUTOSCALE_INTERVAL": "1"}
 STORIES = REPO / "engine" / "src" / "pagoda" / "assets" / "models" / "stories260K"
-# 153 blocks of 16 tokens (1,280 bytes a token: 5 layers, K and V, 4 heads of 8 fp32), room for about 10 of the 16
+# 179 blocks of 16 tokens (1,280 bytes a token: 5 layers, K and V, 4 heads of 8 fp32), room for about 12 of the 16
 # sessions' prompts (about 15 blocks each) per pod: a pod that sees every session (round-robin) evicts many before
 # they come back, a pod that sees half of them (prefix routing) keeps its half.
-SMALL_KV = ["--kv-cache-memory", "3MiB"]
+SMALL_KV = ["--kv-cache-memory", "3584KiB"]
 
 
 @pytest.fixture(scope="module")
@@ -144,6 +145,7 @@ def _hit_rate(kubelet: StandInKubelet, pods: list[str], run) -> float:
 
     hits_before, queries_before = totals()
     run()
+    time.sleep(0.5)  # an engine counts a step's cache hits after the step's replies went out
     hits, queries = totals()
     return (hits - hits_before) / (queries - queries_before)
 
@@ -152,27 +154,30 @@ def _run_rounds(rounds: list[list[str]], client_for) -> None:
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         for index, prompts in enumerate(rounds):
             jobs = [
-                pool.submit(client_for(index * len(prompts) + i).completions.create, model="alpha", prompt=p,
-                            max_tokens=2)
+                pool.submit(
+                    client_for(index * len(prompts) + i).completions.create, model="alpha", prompt=p, max_tokens=2
+                )
                 for i, p in enumerate(prompts)
             ]
             for job in jobs:
                 job.result()
 
 
-def test_prefix_routing_at_least_doubles_the_pods_prefix_cache_hits(router, models, kubelet) -> None:
+def test_prefix_routing_keeps_sessions_on_the_pod_that_cached_them(router, models, kubelet) -> None:
     pods = models["alpha"]
     direct = [client_of(f"http://{kubelet.ips[p]}:8000/v1") for p in pods]
     routed = client_of(router)
     round_robin = _hit_rate(kubelet, pods, lambda: _run_rounds(_session_prompts(1), lambda i: direct[i % 2]))
     by_router = _hit_rate(kubelet, pods, lambda: _run_rounds(_session_prompts(2), lambda i: routed))
     print(f"prefix-cache hit rate: round-robin {round_robin:.3f}, router {by_router:.3f}")
-    assert by_router >= 2 * round_robin and by_router > 0.3, (round_robin, by_router)
+    # Sticky routing serves every later turn from cache: (tokens of turns 2-4 before their new question) / all
+    # tokens is about 0.72 here. Round-robin over a shuffled order sends a session's next turn to the pod of its
+    # previous turn only half of the time, and its misses (whole prompts) evict what that pod held for others.
+    assert by_router >= 0.6, by_router
+    assert by_router >= 2 * round_robin, (round_robin, by_router)
 
 
-def test_a_model_at_zero_replicas_answers_its_first_request_once_a_pod_is_ready(
-    cluster, router, kubelet
-) -> None:
+def test_a_model_at_zero_replicas_answers_its_first_request_once_a_pod_is_ready(cluster, router, kubelet) -> None:
     assert cluster.get("deployment", "zero", NS)["spec"].get("replicas") == 0
     client = client_of(router)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
@@ -185,7 +190,8 @@ def test_a_model_at_zero_replicas_answers_its_first_request_once_a_pod_is_ready(
     shown = cluster.kubectl("get", "deployment", "zero", "-n", NS, "-o", "json", "--show-managed-fields")
     deployment = json.loads(shown.stdout)
     assert deployment["spec"]["replicas"] == 1
-    managers = {m["manager"] for m in deployment["metadata"]["managedFields"] if "f:replicas" in str(m)}
+    fields = deployment["metadata"]["managedFields"]
+    managers = {m["manager"] for m in fields if "f:replicas" in m.get("fieldsV1", {}).get("f:spec", {})}
     assert managers == {"pagoda-autoscaler"}, managers  # the router never wrote replicas
 
 

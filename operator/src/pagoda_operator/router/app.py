@@ -61,7 +61,7 @@ class RouterOptions:
     max_held_requests: int = 256
     kv_events: bool = True
     load_interval: float = 1.0
-    load_threshold: float = 4.0
+    load_threshold: float = 8.0
     chunk_chars: int = 128
 
 

@@ -106,8 +106,10 @@ def _add_routing_args(p: argparse.ArgumentParser) -> None:
     pick.add_argument(
         "--load-threshold",
         type=float,
-        default=4.0,
-        help="load difference a prefix match may outweigh (default: %(default)s)",
+        default=8.0,
+        # A continuous batch serves a few more requests at little cost; moving a session to a cold pod costs its
+        # whole prefill there. SGLang's cache-aware router balances only past 32 requests of difference.
+        help="load difference (about requests in flight) a prefix match may outweigh (default: %(default)s)",
     )
     pick.add_argument("--chunk-chars", type=int, default=128, help="characters per prefix chunk (default: %(default)s)")
 
