@@ -119,6 +119,10 @@ class Router:
                 subscriber = KVEventSubscriber(endpoint, self.kv_index, topic=KV_EVENTS_TOPIC)
                 self._subscribers[key] = (subscriber, asyncio.create_task(subscriber.run()))
 
+    def subscribed(self) -> list[str]:
+        """The endpoints whose KV events this router follows."""
+        return list(self._subscribers)
+
     def _stop_subscriber(self, key: str) -> None:
         entry = self._subscribers.pop(key, None)
         if entry is not None:
@@ -251,7 +255,9 @@ async def _health(_: web.Request) -> web.Response:
 
 
 async def _metrics(request: web.Request) -> web.Response:
-    metrics: RouterMetrics = request.app["router"].metrics
+    router = request.app["router"]
+    metrics: RouterMetrics = router.metrics
+    metrics.observe_kv_blocks({key: router.kv_index.num_blocks(key) for key in router.subscribed()})
     return web.Response(body=metrics.render(), headers={"Content-Type": metrics.content_type})
 
 

@@ -6,10 +6,14 @@
   spread, ...);
 - ``pagoda_router_added_latency_seconds``: the router's own share of a request's latency: from receiving it to
   sending it upstream, plus the delay between the first upstream byte and its write to the client;
-- ``pagoda_router_held_requests{model_namespace, model_deployment}``: requests waiting for a model with no ready pod.
+- ``pagoda_router_held_requests{model_namespace, model_deployment}``: requests waiting for a model with no ready pod;
+- ``pagoda_router_kv_cached_blocks{endpoint}``: the KV blocks each endpoint holds by its KV events (endpoints that
+  publish them), as of the scrape.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -51,6 +55,19 @@ class RouterMetrics:
             ["model_namespace", "model_deployment"],
             registry=self.registry,
         )
+
+        self.kv_blocks = Gauge(
+            "pagoda_router_kv_cached_blocks",
+            "KV cache blocks an endpoint holds, by its KV events",
+            ["endpoint"],
+            registry=self.registry,
+        )
+
+    def observe_kv_blocks(self, blocks: Mapping[str, int]) -> None:
+        """Set the KV blocks gauge to ``blocks`` (endpoint key -> count), dropping endpoints no longer there."""
+        self.kv_blocks.clear()
+        for endpoint, count in blocks.items():
+            self.kv_blocks.labels(endpoint).set(count)
 
     def render(self) -> bytes:
         """The text exposition of every metric."""

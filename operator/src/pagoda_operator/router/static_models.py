@@ -6,7 +6,7 @@ it. A static file, for use without Kubernetes (and in tests), looks like::
     models:
       - name: alpha                      # the served model name clients send
         adapters: [sql]                  # LoRA adapter names served by the same endpoints (optional)
-        endpoints: ["http://127.0.0.1:8001", "http://127.0.0.1:8002"]
+        endpoints: ["http://127.0.0.1:8001", "http://127.0.0.1:8002"]   # or {url, kvEvents, kvReplay} each
         namespace: default               # optional: a ModelDeployment to label metrics with
         deployment: alpha                # optional
 
@@ -121,6 +121,30 @@ def _strings(value: Any, what: str) -> tuple[str, ...]:
     return tuple(value)
 
 
+def _endpoint(value: Any, what: str) -> Endpoint:
+    """An endpoint entry: its URL, or ``{url, kvEvents, kvReplay}`` for an engine that publishes KV events."""
+    fields = {"url": value} if isinstance(value, str) else value
+    if not isinstance(fields, dict) or not set(fields) <= {"url", "kvEvents", "kvReplay"}:
+        raise ValueError(f"{what}: expected a URL or a mapping of url, kvEvents and kvReplay")
+    url = fields.get("url")
+    if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+        raise ValueError(f"{what}: {url!r} is not an http(s) URL")
+    for key in ("kvEvents", "kvReplay"):
+        address = fields.get(key)
+        if address is not None and (not isinstance(address, str) or not address.startswith("tcp://")):
+            raise ValueError(f"{what}.{key}: {address!r} is not a tcp:// address")
+    url = url.rstrip("/")
+    return Endpoint(key=url, url=url, kv_events=fields.get("kvEvents"), kv_replay=fields.get("kvReplay"))
+
+
+def _endpoints(value: Any, what: str) -> tuple[Endpoint, ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        raise ValueError(f"{what} must be a list")
+    return tuple(_endpoint(item, f"{what}[{i}]") for i, item in enumerate(value))
+
+
 def parse_static_models(document: Any) -> dict[str, Model]:
     """The models of a parsed static file, by name; ValueError for a malformed one."""
     if not isinstance(document, dict) or not isinstance(document.get("models"), list):
@@ -132,11 +156,7 @@ def parse_static_models(document: Any) -> dict[str, Model]:
         name = entry["name"]
         if name in models:
             raise ValueError(f"model {name!r} is listed twice")
-        urls = _strings(entry.get("endpoints"), f"models[{index}].endpoints")
-        for url in urls:
-            if not url.startswith(("http://", "https://")):
-                raise ValueError(f"models[{index}].endpoints: {url!r} is not an http(s) URL")
-        endpoints = tuple(Endpoint(key=u.rstrip("/"), url=u.rstrip("/")) for u in urls)
+        endpoints = _endpoints(entry.get("endpoints"), f"models[{index}].endpoints")
         models[name] = Model(
             name=name,
             endpoints=endpoints,
