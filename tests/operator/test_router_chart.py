@@ -143,3 +143,16 @@ def test_a_namespaced_operator_gets_a_namespaced_router(helm: Path) -> None:
 def test_the_router_service_monitor_follows_both_switches(helm: Path) -> None:
     assert not by_kind(router_objects(render(helm, "router.enabled=true")), "ServiceMonitor")
     assert not by_kind(router_objects(render(helm, "serviceMonitor.enabled=true")), "ServiceMonitor")
+
+
+def test_the_operator_gets_the_prometheus_url_for_keda_mode_only_when_one_is_given(helm: Path) -> None:
+    def operator_env(*values: str) -> dict[str, Any]:
+        deployment = next(
+            o for o in by_kind(render(helm, *values), "Deployment") if o["metadata"]["name"] == "demo-pagoda"
+        )
+        (container,) = deployment["spec"]["template"]["spec"]["containers"]
+        return {item["name"]: item.get("value") for item in container["env"]}
+
+    assert "PAGODA_PROMETHEUS_URL" not in operator_env()
+    url = "http://prometheus-operated.monitoring:9090"
+    assert operator_env(f"operator.prometheusUrl={url}")["PAGODA_PROMETHEUS_URL"] == url
