@@ -24,8 +24,9 @@ NAME = re.compile(r"vllm:[a-z_:]+[a-z]")
 
 
 def exported_series() -> set[str]:
-    """Every series name in the engine's exposition (counters with ``_total``, histograms' ``_bucket`` ...)."""
-    metrics = EngineMetrics("m", block_size=16, num_blocks=64, max_model_len=256)
+    """Every series name in the engine's exposition (counters with ``_total``, histograms' ``_bucket`` ...), LoRA on
+    (``vllm:lora_requests_info`` exists only then)."""
+    metrics = EngineMetrics("m", block_size=16, num_blocks=64, max_model_len=256, max_loras=2)
     text = generate_latest(metrics.registry).decode()
     names = set()
     for family in text_string_to_metric_families(text):

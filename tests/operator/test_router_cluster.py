@@ -18,6 +18,7 @@ import random
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -144,13 +145,16 @@ def _hit_rate(kubelet: StandInKubelet, pods: list[str], run) -> float:
         return hits, sum(kubelet.metric(p, "vllm:prefix_cache_queries_total") for p in pods)
 
     hits_before, queries_before = totals()
-    run()
-    time.sleep(0.5)  # an engine counts a step's cache hits after the step's replies went out
+    prompt_tokens = run()
+    # The engines add a request's lookup to their counters as it is admitted: wait until all of them are in.
+    wait_for("the pods to count every lookup", lambda: totals()[1] - queries_before >= prompt_tokens, 30)
     hits, queries = totals()
     return (hits - hits_before) / (queries - queries_before)
 
 
-def _run_rounds(rounds: list[list[str]], client_for) -> None:
+def _run_rounds(rounds: list[list[str]], client_for) -> int:
+    """Each round's prompts, four at a time; the prompt tokens sent."""
+    prompt_tokens = 0
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         for index, prompts in enumerate(rounds):
             jobs = [
@@ -159,8 +163,8 @@ def _run_rounds(rounds: list[list[str]], client_for) -> None:
                 )
                 for i, p in enumerate(prompts)
             ]
-            for job in jobs:
-                job.result()
+            prompt_tokens += sum(job.result().usage.prompt_tokens for job in jobs)
+    return prompt_tokens
 
 
 def test_prefix_routing_keeps_sessions_on_the_pod_that_cached_them(router, models, kubelet) -> None:
@@ -168,13 +172,21 @@ def test_prefix_routing_keeps_sessions_on_the_pod_that_cached_them(router, model
     direct = [client_of(f"http://{kubelet.ips[p]}:8000/v1") for p in pods]
     routed = client_of(router)
     round_robin = _hit_rate(kubelet, pods, lambda: _run_rounds(_session_prompts(1), lambda i: direct[i % 2]))
+    served = [successes(kubelet, pod) for pod in pods]
     by_router = _hit_rate(kubelet, pods, lambda: _run_rounds(_session_prompts(2), lambda i: routed))
-    print(f"prefix-cache hit rate: round-robin {round_robin:.3f}, router {by_router:.3f}")
+    split = [successes(kubelet, pod) - before for pod, before in zip(pods, served)]
+    state = _router_get(router, "/debug/endpoints")
+    print(f"prefix-cache hit rate: round-robin {round_robin:.3f}, router {by_router:.3f}; requests per pod {split}")
     # Sticky routing serves every later turn from cache: (tokens of turns 2-4 before their new question) / all
     # tokens is about 0.72 here. Round-robin over a shuffled order sends a session's next turn to the pod of its
     # previous turn only half of the time, and its misses (whole prompts) evict what that pod held for others.
-    assert by_router >= 0.6, by_router
-    assert by_router >= 2 * round_robin, (round_robin, by_router)
+    assert by_router >= 0.6, (by_router, split, state)
+    assert by_router >= 2 * round_robin, (round_robin, by_router, split, state)
+
+
+def _router_get(router: str, path: str) -> Any:
+    with urllib.request.urlopen(router.removesuffix("/v1") + path, timeout=10) as reply:
+        return json.load(reply)
 
 
 def test_a_model_at_zero_replicas_answers_its_first_request_once_a_pod_is_ready(cluster, router, kubelet) -> None:

@@ -79,7 +79,7 @@ def test_a_token_prompt_goes_to_the_engine_whose_events_say_it_holds_the_prefix(
     _wait("the router to learn the second engine's blocks", lambda: _blocks(router, second) >= 12)
     assert _blocks(router, first) == 0
     before = [s.metric("vllm:request_success_total") for s in (first, second)]
-    for turn in range(4):
+    for _ in range(4):
         prompt = prefix + [rng.randrange(3, 512) for _ in range(5)]
         status, _, reply = router.request(
             "POST", "/v1/completions", {"model": "stories", "prompt": prompt, "max_tokens": 1}
@@ -90,5 +90,3 @@ def test_a_token_prompt_goes_to_the_engine_whose_events_say_it_holds_the_prefix(
     assert gained == [0, 4], gained
     hits = second.metric("vllm:prefix_cache_hits_total")
     assert hits >= 4 * 12 * BLOCK  # each of the four was served from the cached prefix
-
-

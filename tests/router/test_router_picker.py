@@ -210,3 +210,23 @@ def test_bad_settings_are_refused() -> None:
         Picker(load_threshold=-1)
     with pytest.raises(ValueError):
         Picker(spread_slack=-0.5)
+
+
+def test_a_stale_scrape_of_this_routers_own_requests_does_not_herd_new_sessions() -> None:
+    """A scrape that saw this router's two requests on pod 0 is an interval old once they finished: pod 0 is idle
+    again, so new sessions keep spreading instead of all going to pod 1 until the next scrape."""
+    picker = Picker()
+    pods = PODS[:2]
+    for session in (100, 101):
+        picker.started(pods[0], conversation(session, 1))
+    picker.update_load(pods[0].key, EndpointLoad(running=1.0, waiting=1.0))
+    picker.update_load(pods[1].key, EndpointLoad())
+    assert picker.load_of(pods[0].key) > picker.load_of(pods[1].key)  # while they run, pod 0 is the busier
+    picker.finished(pods[0])
+    picker.finished(pods[0])
+    assert picker.load_of(pods[0].key) == picker.load_of(pods[1].key) == 0.0
+    counts = Counter(send(picker, pods, conversation(s, 1)).key for s in range(16))
+    assert min(counts.values()) >= 6, counts
+    # requests the scrape saw that were not this router's (another client's) still count
+    picker.update_load(pods[0].key, EndpointLoad(running=3.0))
+    assert picker.load_of(pods[0].key) == 3.0

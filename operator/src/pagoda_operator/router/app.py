@@ -254,6 +254,12 @@ async def _health(_: web.Request) -> web.Response:
     return web.json_response({"status": "ok"})
 
 
+async def _endpoints_state(request: web.Request) -> web.Response:
+    """What the picker knows of each endpoint (in flight, last load, indexed chunks): for operators debugging a
+    routing choice; behind the API key like every route but the probes."""
+    return web.json_response(request.app["router"].picker.explain())
+
+
 async def _metrics(request: web.Request) -> web.Response:
     router = request.app["router"]
     metrics: RouterMetrics = router.metrics
@@ -287,6 +293,7 @@ def build_app(router: Router, background: Sequence[Callable[[], Awaitable[None]]
     app.router.add_get("/v1/models", _models)
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)
+    app.router.add_get("/debug/endpoints", _endpoints_state)
 
     async def lifetime(_: web.Application) -> AsyncIterator[None]:
         # auto_decompress off: bytes pass through as the engine encoded them, with their Content-Encoding.

@@ -11,10 +11,13 @@ the text index follows the engine's: cleared when it cleared its cache, trimmed 
 text index assumes (sparing chunks routed in the last ``kv_grace`` seconds: the engine reports blocks as it
 prefills them).
 
-Load. ``load = max(in_flight, running + waiting) + waiting + kv_weight * kv_usage`` where ``in_flight`` is what this
-router sent there and has not seen finish (current, but blind to other clients) and ``running`` / ``waiting`` /
-``kv_usage`` the last scrape (seen by everyone, but late): their max counts each request once; waiting requests
-count twice, since they mean the engine is saturated. A failed scrape (``update_load(key, None)``) counts as
+Load. ``load = in_flight + others + queued + kv_weight * kv_usage`` where ``in_flight`` is what this router sent
+there and has not seen finish (current, but blind to other clients), and ``running`` / ``waiting`` / ``kv_usage``
+come from the last scrape (seen by everyone, but up to an interval late). ``others = running + waiting - s`` and
+``queued = waiting - s`` (at least 0), with ``s`` this router's in-flight count when that scrape arrived: the
+scrape's requests that were this router's are followed by ``in_flight`` as they finish, so a stale scrape never
+makes an endpoint look busy with requests that are long done (which would herd new sessions onto the other one).
+Waiting requests count twice, since they mean the engine is saturated. A failed scrape (``update_load(key, None)``) counts as
 ``unknown_load`` on top of the in-flight count (default: just over ``load_threshold``, "loaded, not idle"); an
 endpoint never scraped counts its in-flight count only. An endpoint that runs or queues the requested LoRA adapter
 counts ``lora_weight`` less (a weight, not a rule: a busy endpoint with the adapter still loses to an idle one).
@@ -98,6 +101,7 @@ class Picker:
         # endpoint -> chunk hash -> when it was last routed there (monotonic), least recent first
         self._chunks: dict[str, OrderedDict[int, float]] = {}
         self._in_flight: dict[str, int] = {}
+        self._in_flight_at_scrape: dict[str, int] = {}  # this router's in-flight count when the last scrape came
         self._loads: dict[str, Optional[EndpointLoad]] = {}
         self._generations: dict[str, int] = {}
         self._memo: tuple[str, list[int]] = ("", [])
@@ -127,11 +131,12 @@ class Picker:
     def update_load(self, key: str, load: Optional[EndpointLoad]) -> None:
         """The endpoint's last scrape; None when it failed (the load is unknown)."""
         self._loads[key] = load
+        self._in_flight_at_scrape[key] = self._in_flight.get(key, 0)
         self._trim(key)
 
     def forget(self, key: str) -> None:
         """The endpoint is gone: drop its index, in-flight count and load."""
-        for table in (self._chunks, self._in_flight, self._loads, self._generations):
+        for table in (self._chunks, self._in_flight, self._loads, self._generations, self._in_flight_at_scrape):
             table.pop(key, None)
 
     # ---- choosing ------------------------------------------------------------------------------------------------
@@ -180,7 +185,12 @@ class Picker:
         load = self._loads[key]
         if load is None:
             return in_flight + self.unknown_load
-        value = max(in_flight, load.running + load.waiting) + load.waiting + self.kv_weight * load.kv_usage
+        # The scrape is up to an interval old: of what it saw, the requests this router had in flight then are
+        # counted by in_flight now (which follows them as they finish); the rest are other clients'.
+        at_scrape = self._in_flight_at_scrape.get(key, 0)
+        others = max(0.0, load.running + load.waiting - at_scrape)
+        queued = max(0.0, load.waiting - at_scrape)
+        value = in_flight + others + queued + self.kv_weight * load.kv_usage
         if lora is not None and lora in load.loras:
             value -= self.lora_weight
         return value
