@@ -24,7 +24,7 @@ from test_rollout_cluster import engine, make_ready  # noqa: F401  (engine: fake
 from pagoda_operator.autoscaler.algorithm import AutoscalerState, EngineMetrics, PodSample, decide
 from pagoda_operator.autoscaler.demand import format_stamp, has_demand, is_fresh, parse_stamp
 from pagoda_operator.autoscaler.loop import event_reason
-from pagoda_operator.constants import DEMAND_ANNOTATION, DEMAND_TTL_SECONDS
+from pagoda_operator.constants import DEMAND_ANNOTATION, DEMAND_STATUS_FIELD, DEMAND_TTL_SECONDS
 from pagoda_operator.spec import Autoscaling
 
 ZERO = Autoscaling(
@@ -91,6 +91,8 @@ def test_a_garbled_stamp_is_no_demand_and_is_logged_at_debug(garbled: str, caplo
 def test_a_body_without_annotations_has_no_demand() -> None:
     assert not has_demand({"metadata": {}}, NOW) and not has_demand({}, NOW)
     assert has_demand({"metadata": {"annotations": {DEMAND_ANNOTATION: format_stamp(NOW - 10)}}}, NOW)
+    assert has_demand({"status": {DEMAND_STATUS_FIELD: format_stamp(NOW - 10)}}, NOW)  # the router's
+    assert not has_demand({"status": {DEMAND_STATUS_FIELD: format_stamp(NOW - 10 - DEMAND_TTL_SECONDS)}}, NOW)
 
 
 # --- from zero ------------------------------------------------------------------------------------------------

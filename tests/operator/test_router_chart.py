@@ -18,11 +18,11 @@ from test_operator_chart import FOREIGN_KINDS, LAYER_DISTRIBUTION, by_kind, extr
 
 ROUTER = "demo-pagoda-router"
 READ = ["get", "list", "watch"]
-# Exactly what the router may do: read models and pods, patch models (the demand annotation; RBAC cannot narrow a
-# patch to one annotation, so this is the least there is).
+# Exactly what the router may do: read models and pods, patch models' status (status.demandAt: a status patch cannot
+# change a model's spec or metadata).
 ROUTER_RULES = [
     {"apiGroups": ["pagoda.dev"], "resources": ["modeldeployments"], "verbs": READ},
-    {"apiGroups": ["pagoda.dev"], "resources": ["modeldeployments"], "verbs": ["patch"]},
+    {"apiGroups": ["pagoda.dev"], "resources": ["modeldeployments/status"], "verbs": ["patch"]},
     {"apiGroups": [""], "resources": ["pods"], "verbs": READ},
 ]
 

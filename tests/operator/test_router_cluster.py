@@ -15,6 +15,7 @@ import concurrent.futures
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 import time
@@ -25,15 +26,17 @@ from typing import Any
 
 import openai
 import pytest
-from control_plane import CLUSTER_SCRIPT, REPO, Cluster, running, wait_for
+from control_plane import CLUSTER_SCRIPT, REPO, Cluster, helm_template, running, wait_for
 from server_helpers import free_port
-from stand_in_kubelet import StandInKubelet, pod_annotations
+from stand_in_kubelet import StandInKubelet
 
-from pagoda_operator.constants import DEMAND_ANNOTATION
+from pagoda_operator.constants import DEMAND_STATUS_FIELD
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not CLUSTER_SCRIPT.exists(), reason="needs ../shared/k8s/cluster")]
 
 NS = "pagoda-router"
+ROUTER_NS = "pagoda-router-system"  # where the chart would run the router
+RBAC_KINDS = {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding"}
 OPERATOR_ENV = {"PAGODA_AUTOSCALE_INTERVAL": "1"}
 STORIES = REPO / "engine" / "src" / "pagoda" / "assets" / "models" / "stories260K"
 # 179 blocks of 16 tokens (1,280 bytes a token: 5 layers, K and V, 4 heads of 8 fp32), room for about 12 of the 16
@@ -79,14 +82,27 @@ def models(cluster: Cluster, operator, kubelet: StandInKubelet, adapter: Path) -
     return pods
 
 
+def router_kubeconfig(cluster: Cluster, directory: Path) -> str:
+    """A kubeconfig of the router's own ServiceAccount, bound by the chart's router RBAC (a Role in the watched
+    namespace): the router must work with exactly what the chart grants."""
+    objects = helm_template("pagoda", ROUTER_NS, "router.enabled=true", f"operator.watchNamespaces={{{NS}}}")
+    router_rbac = [o for o in objects if o["kind"] in RBAC_KINDS and "router" in o["metadata"]["name"]]
+    assert {o["kind"] for o in router_rbac} == {"ServiceAccount", "Role", "RoleBinding"}, router_rbac
+    cluster.kubectl("create", "namespace", ROUTER_NS, check=False)
+    cluster.kubectl("apply", "-f", "-", stdin=json.dumps({"apiVersion": "v1", "kind": "List", "items": router_rbac}))
+    (account,) = [o["metadata"]["name"] for o in router_rbac if o["kind"] == "ServiceAccount"]
+    return cluster.token_kubeconfig(account, ROUTER_NS, directory / "kubeconfig")
+
+
 @pytest.fixture(scope="module")
 def router(cluster: Cluster, models, tmp_path_factory) -> Iterator[str]:
-    """The router watching the namespace; yields its base URL once it knows alpha and beta."""
+    """The router watching the namespace with the chart's RBAC; yields its base URL once it knows alpha and beta."""
     port = free_port()
-    env = {**os.environ, "KUBECONFIG": cluster.kubeconfig}
+    directory = tmp_path_factory.mktemp("router")
+    env = {**os.environ, "KUBECONFIG": router_kubeconfig(cluster, directory)}
     command = [sys.executable, "-m", "pagoda_operator.router", "--host", "127.0.0.1", "--port", str(port)]
     command += ["--namespace", NS, "--hold-timeout", "150"]
-    log = tmp_path_factory.mktemp("router") / "router.log"
+    log = directory / "router.log"
     with running(command, env, log):
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
 
@@ -98,6 +114,11 @@ def router(cluster: Cluster, models, tmp_path_factory) -> Iterator[str]:
 
         wait_for("the router to know alpha, beta and sql", known, 60)
         yield f"http://127.0.0.1:{port}/v1"
+        assert not re.search(r"forbidden", log.read_text(), re.IGNORECASE), log.read_text()[-3000:]
+
+
+def _status(cluster: Cluster, md: str) -> dict[str, Any]:
+    return (cluster.get("modeldeployment", md, NS) or {}).get("status") or {}
 
 
 def client_of(url: str) -> openai.OpenAI:
@@ -194,7 +215,7 @@ def test_a_model_at_zero_replicas_answers_its_first_request_once_a_pod_is_ready(
     client = client_of(router)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         reply = pool.submit(client.completions.create, model="zero", prompt="Once upon a time", max_tokens=4)
-        wait_for("the router's demand stamp", lambda: DEMAND_ANNOTATION in pod_annotations(cluster, "zero"), 30)
+        wait_for("the router's demand stamp", lambda: _status(cluster, "zero").get(DEMAND_STATUS_FIELD), 30)
         wait_for("the autoscaler to scale zero to 1", lambda: cluster.pods_of("zero"), 60)
         assert not reply.done()  # held, not refused
         kubelet.sync("zero")

@@ -19,9 +19,12 @@ WAITING_METRIC = "vllm:num_requests_waiting"
 # Seconds preStop sleeps so endpoints controllers and load balancers stop sending traffic before the drain starts.
 PRESTOP_SLEEP_SECONDS = 5
 
-# Scale from zero: the router stamps this annotation on a ModelDeployment (RFC 3339 UTC, e.g. 2026-12-03T14:00:00Z)
-# while it holds requests for a model with no ready pod; the built-in autoscaler reads it as demand for one replica.
-# The router never writes replicas: the operator stays their only writer in builtin mode.
+# Scale from zero: the router writes ``status.demandAt`` of a ModelDeployment (RFC 3339 UTC, e.g.
+# 2026-12-03T14:00:00Z) through the status subresource while it holds requests for a model with no ready pod, so its
+# RBAC needs only ``modeldeployments/status`` (the API server ignores spec and metadata in a status patch). The
+# built-in autoscaler reads it, or this annotation (for people: kubectl annotate), as demand for one replica. The
+# router never writes replicas: the operator stays their only writer in builtin mode.
+DEMAND_STATUS_FIELD = "demandAt"
 DEMAND_ANNOTATION = f"{GROUP}/demand-at"
 # Seconds a demand stamp counts for; the router re-stamps at most every DEMAND_STAMP_INTERVAL_SECONDS while it holds.
 DEMAND_TTL_SECONDS = 120

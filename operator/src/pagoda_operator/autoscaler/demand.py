@@ -1,7 +1,8 @@
 """Demand for a model at zero ready pods, pure: the router's ``pagoda.dev/demand-at`` stamp and ``now`` -> fresh or not.
 
-The router stamps the annotation (RFC 3339 UTC, ``2026-12-03T14:00:00Z``) on a ModelDeployment while it holds
-requests for a model that has no ready pod, again at most every ``DEMAND_STAMP_INTERVAL_SECONDS`` while it keeps
+The router stamps ``status.demandAt`` (RFC 3339 UTC, ``2026-12-03T14:00:00Z``; through the status subresource, the
+only write its RBAC allows) on a ModelDeployment while it holds requests for a model that has no ready pod (a person
+may set the ``pagoda.dev/demand-at`` annotation instead), again at most every ``DEMAND_STAMP_INTERVAL_SECONDS`` while it keeps
 holding. A stamp younger than ``DEMAND_TTL_SECONDS`` is demand: the built-in autoscaler then runs at least one
 replica. The router never writes replicas; the autoscaler stays their only writer in builtin mode.
 
@@ -17,7 +18,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any, Optional
 
-from pagoda_operator.constants import DEMAND_ANNOTATION, DEMAND_TTL_SECONDS
+from pagoda_operator.constants import DEMAND_ANNOTATION, DEMAND_STATUS_FIELD, DEMAND_TTL_SECONDS
 
 logger = logging.getLogger("pagoda_operator.autoscaler")
 
@@ -53,6 +54,8 @@ def is_fresh(value: Optional[str], now: float, ttl: float = DEMAND_TTL_SECONDS) 
 
 
 def has_demand(body: Mapping[str, Any], now: float, ttl: float = DEMAND_TTL_SECONDS) -> bool:
-    """Whether a ModelDeployment ``body`` carries a fresh demand stamp at ``now``."""
+    """Whether a ModelDeployment ``body`` carries a fresh demand stamp at ``now``: the router's
+    ``status.demandAt``, or the ``pagoda.dev/demand-at`` annotation a person may set."""
     annotations = (body.get("metadata") or {}).get("annotations") or {}
-    return is_fresh(annotations.get(DEMAND_ANNOTATION), now, ttl)
+    status = body.get("status") or {}
+    return is_fresh(status.get(DEMAND_STATUS_FIELD), now, ttl) or is_fresh(annotations.get(DEMAND_ANNOTATION), now, ttl)

@@ -100,6 +100,7 @@ class Router:
             self._stop_subscriber(key)
             if key not in current:
                 self.picker.forget(key)
+                self.kv_index.forget(key)  # a rollout's pods never come back under their names
         self._known = current
         if self.poller is not None:
             self.poller.set_endpoints(current.values())
@@ -155,9 +156,14 @@ class Router:
         return "spread"
 
 
+def _token_like(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**63
+
+
 def _token_ids(path: str, body: dict[str, Any]) -> Optional[tuple[int, ...]]:
     prompt = body.get("prompt") if path == "/v1/completions" else None
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+    # token ids an engine could hold (int64): anything else is the engine's to refuse, never the router's to crash on
+    if isinstance(prompt, list) and prompt and all(_token_like(t) for t in prompt):
         return tuple(prompt)
     return None
 
@@ -219,7 +225,7 @@ async def _proxy(request: web.Request) -> web.StreamResponse:
     raw = await request.read()
     try:
         body = json.loads(raw) if raw else None
-    except ValueError as error:
+    except (ValueError, RecursionError) as error:  # RecursionError: JSON nested deeper than Python's stack
         return _bad_request(f"the request body is not valid JSON: {error}")
     if not isinstance(body, dict):
         return _bad_request("the request body must be a JSON object")
@@ -273,7 +279,8 @@ async def _errors_and_auth(request: web.Request, handler: Callable[[web.Request]
     key = request.app["router"].options.api_key
     if key is not None and request.path not in _OPEN_PATHS:
         given = request.headers.get("Authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+        # surrogateescape: header bytes that are not UTF-8 compare (unequal) instead of raising
+        if not hmac.compare_digest(given.encode("utf-8", "surrogateescape"), f"Bearer {key}".encode()):
             return error_response(401, "invalid or missing API key", "authentication_error", "invalid_api_key")
     try:
         return await handler(request)

@@ -26,7 +26,7 @@ import kopf
 
 from pagoda_operator.constants import (
     API_VERSION,
-    DEMAND_ANNOTATION,
+    DEMAND_STATUS_FIELD,
     KV_EVENTS_PORT_NAME,
     KV_EVENTS_REPLAY_PORT_NAME,
     PLURAL,
@@ -257,11 +257,11 @@ class KubeDiscovery:
         await watch_collection(self.kube, path, labels, on_list, on_event)
 
     async def stamp_demand(self, key: str) -> None:
-        """Record demand for the ModelDeployment ``key``: its demand annotation set to now (a merge patch of the
-        annotation only; replicas stay the operator's)."""
+        """Record demand for the ModelDeployment ``key``: ``status.demandAt`` set to now, through the status
+        subresource (all the router may write; replicas stay the operator's)."""
         namespace, name = key.split("/", 1)
-        patch = {"metadata": {"annotations": {DEMAND_ANNOTATION: utc_stamp()}}}
-        await self.kube.merge_patch(object_path(API_VERSION, PLURAL, namespace, name), patch)
+        patch = {"status": {DEMAND_STATUS_FIELD: utc_stamp()}}
+        await self.kube.merge_patch(object_path(API_VERSION, PLURAL, namespace, name) + "/status", patch)
         logger.debug("stamped demand on %s", key)
 
 

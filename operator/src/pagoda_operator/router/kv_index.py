@@ -89,6 +89,8 @@ class _Blocks:
     def store(self, fields: dict[str, Any]) -> None:
         hashes, tokens, size = fields["block_hashes"], fields["token_ids"], int(fields["block_size"])
         lora = fields.get("lora_name")
+        if lora is not None and not isinstance(lora, str):
+            raise TypeError(f"lora_name {lora!r} is not a string")
         if not lora and fields.get("lora_id") is not None:  # older engines name adapters by id only
             lora = f"#{fields['lora_id']}"
         extras = fields.get("extra_keys") or [None] * len(hashes)
@@ -165,7 +167,7 @@ class KVIndex:
                     blocks.remove(fields)
                 elif tag == "AllBlocksCleared":
                     blocks.clear()
-            except (KeyError, TypeError, ValueError, struct.error) as error:
+            except (KeyError, TypeError, ValueError, struct.error, AttributeError, OverflowError) as error:
                 log.debug("skipping malformed KV event from %s (%s): %.200r", key, error, event)
 
     def clear(self, key: str) -> None:

@@ -83,7 +83,11 @@ async def scrape_load(session: aiohttp.ClientSession, url: str, timeout: float =
     """GET ``{url}/metrics`` and parse it; None when the engine does not answer 200 within ``timeout`` seconds or
     answers something that is not Prometheus text (its load is then unknown). Never raises but for cancellation."""
     try:
-        async with session.get(f"{url}/metrics", timeout=aiohttp.ClientTimeout(total=timeout)) as response:
+        # identity: the router's session does not decompress (it passes replies through), and prometheus_client
+        # gzips /metrics for a client that accepts it
+        headers = {"Accept-Encoding": "identity"}
+        timeout_s = aiohttp.ClientTimeout(total=timeout)
+        async with session.get(f"{url}/metrics", timeout=timeout_s, headers=headers) as response:
             if response.status != 200:
                 log.debug("scrape of %s: HTTP %s", url, response.status)
                 return None

@@ -43,6 +43,10 @@ _HOP_BY_HOP = frozenset(
         "Content-Length",
     )
 )
+# Not forwarded on a request: aiohttp answered the 100-continue already, and its server hands the body over decoded
+# (forwarded as it is, it is not encoded any more).
+_REQUEST_ONLY = frozenset({"expect", "content-encoding"})
+
 _RETRIED_STATUSES = frozenset({503})
 
 
@@ -82,7 +86,8 @@ def upstream_headers(incoming: Mapping[str, str], api_key: Optional[str]) -> CIM
     """The client's headers without hop-by-hop ones; Authorization replaced by the pod-side key when there is one."""
     out: CIMultiDict[str] = CIMultiDict()
     for name, value in incoming.items():
-        if name.lower() in _HOP_BY_HOP or (api_key is not None and name.lower() == "authorization"):
+        lower = name.lower()
+        if lower in _HOP_BY_HOP or lower in _REQUEST_ONLY or (api_key is not None and lower == "authorization"):
             continue
         out.add(name, value)
     if api_key is not None:
@@ -138,10 +143,23 @@ async def _attempt(
     """One try on ``endpoint``; None when it may be retried elsewhere (nothing reached the client)."""
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=upstream.connect_timeout, sock_read=upstream.read_timeout)
     headers = upstream_headers(request.headers, upstream.api_key)
-    url = endpoint.url + routed.path + (f"?{request.query_string}" if request.query_string else "")
+    url = (
+        endpoint.url
+        + routed.path
+        + (f"?{request.rel_url.raw_query_string}" if request.rel_url.raw_query_string else "")
+    )
     sent_at = time.perf_counter()
     try:
-        reply = await upstream.session.request(request.method, url, data=routed.body, headers=headers, timeout=timeout)
+        # no Accept-Encoding of aiohttp's own: the reply passes through as the pod sends it, so only a client that
+        # asked for compression (its header is forwarded) may get a compressed one
+        reply = await upstream.session.request(
+            request.method,
+            url,
+            data=routed.body,
+            headers=headers,
+            timeout=timeout,
+            skip_auto_headers=("Accept-Encoding",),
+        )
     except (aiohttp.ClientError, TimeoutError) as error:
         logger.warning("%s unreachable: %s: %s", endpoint.key, type(error).__name__, error)
         return None
