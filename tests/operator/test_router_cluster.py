@@ -5,8 +5,8 @@ router as a process watching the namespace, reached with the official ``openai``
 What it shows, as the issue asks: requests for two models and a LoRA adapter land on the right pods; with 2 replicas
 and 16 sessions sharing long prefixes, the pods' own prefix-cache hit rate is near what sticky sessions allow and at
 least twice what round-robin gets;
-a model at zero replicas answers its first request with 200 once a pod is ready (the router holds it, stamps the
-demand stamp, the operator's autoscaler scales to 1); SIGTERM of one pod mid-run loses no request.
+a model at zero replicas answers its first request with 200 once a pod is ready (the router holds it, stamps
+demand, the operator's autoscaler scales to 1); SIGTERM of one pod mid-run loses no request.
 """
 
 from __future__ import annotations
