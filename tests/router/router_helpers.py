@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import socket
 import subprocess
 import sys
 import time
@@ -16,11 +15,8 @@ from typing import Any, Optional
 
 import yaml
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
+from server_helpers import free_port  # noqa: E402  (tests/engine/)
 
 
 @dataclass
