@@ -206,6 +206,18 @@ def helm_template(release: str, namespace: str, *settings: str) -> list[dict[str
     return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
 
 
+def make_stories_adapter(out: Path) -> Path:
+    """A PEFT adapter of the built-in model at ``out``, made by PEFT in a child process (no torch in the operator
+    tests)."""
+    stories = REPO / "engine" / "src" / "pagoda" / "assets" / "models" / "stories260K"
+    code = (
+        f"import sys; sys.path.insert(0, {str(REPO / 'tests' / 'engine')!r}); from pathlib import Path; "
+        f"from lora_helpers import make_adapter; make_adapter(Path({str(stories)!r}), Path({str(out)!r}))"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, timeout=120)
+    return out
+
+
 def wait_for(what: str, probe: Callable[[], Any], timeout: float = 60) -> Any:
     """``probe()`` until it returns something truthy; AssertionError naming ``what`` after ``timeout`` s."""
     deadline = time.monotonic() + timeout

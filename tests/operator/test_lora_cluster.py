@@ -9,32 +9,23 @@ engine reads when it chooses to, and the operator asks the pod ``GET /lora_adapt
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
-from control_plane import CLUSTER_SCRIPT, REPO, Cluster, run_pod_locally, wait_for
+from control_plane import CLUSTER_SCRIPT, Cluster, make_stories_adapter, run_pod_locally, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not CLUSTER_SCRIPT.exists(), reason="needs ../shared/k8s/cluster")]
 
 NS = "pagoda-lora"
 INTERVAL = 2.0  # the operator's PAGODA_RECONCILE_INTERVAL in running_operator
-STORIES = REPO / "engine" / "src" / "pagoda" / "assets" / "models" / "stories260K"
 
 
 @pytest.fixture(scope="module")
 def adapter(tmp_path_factory) -> Path:
-    """A PEFT adapter of the built-in model, made by PEFT in a child process (no torch in the operator tests)."""
-    out = tmp_path_factory.mktemp("adapters") / "sql"
-    code = (
-        f"import sys; sys.path.insert(0, {str(REPO / 'tests' / 'engine')!r}); from pathlib import Path; "
-        f"from lora_helpers import make_adapter; make_adapter(Path({str(STORIES)!r}), Path({str(out)!r}))"
-    )
-    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, timeout=120)
-    return out
+    """A PEFT adapter of the built-in model."""
+    return make_stories_adapter(tmp_path_factory.mktemp("adapters") / "sql")
 
 
 def listed(cluster: Cluster, name: str) -> Any:

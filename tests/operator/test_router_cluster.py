@@ -16,7 +16,6 @@ import json
 import os
 import random
 import re
-import subprocess
 import sys
 import time
 import urllib.request
@@ -26,7 +25,7 @@ from typing import Any
 
 import openai
 import pytest
-from control_plane import CLUSTER_SCRIPT, REPO, Cluster, helm_template, running, wait_for
+from control_plane import CLUSTER_SCRIPT, Cluster, helm_template, make_stories_adapter, running, wait_for
 from server_helpers import free_port
 from stand_in_kubelet import StandInKubelet
 
@@ -38,7 +37,6 @@ NS = "pagoda-router"
 ROUTER_NS = "pagoda-router-system"  # where the chart would run the router
 RBAC_KINDS = {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding"}
 OPERATOR_ENV = {"PAGODA_AUTOSCALE_INTERVAL": "1"}
-STORIES = REPO / "engine" / "src" / "pagoda" / "assets" / "models" / "stories260K"
 # 179 blocks of 16 tokens (1,280 bytes a token: 5 layers, K and V, 4 heads of 8 fp32), room for about 12 of the 16
 # sessions' prompts (about 15 blocks each) per pod: a pod that sees every session (round-robin) evicts many before
 # they come back, a pod that sees half of them (prefix routing) keeps its half.
@@ -47,14 +45,8 @@ SMALL_KV = ["--kv-cache-memory", "3584KiB"]
 
 @pytest.fixture(scope="module")
 def adapter(tmp_path_factory) -> Path:
-    """A PEFT adapter of the built-in model, made by PEFT in a child process (no torch in the operator tests)."""
-    out = tmp_path_factory.mktemp("adapters") / "sql"
-    code = (
-        f"import sys; sys.path.insert(0, {str(REPO / 'tests' / 'engine')!r}); from pathlib import Path; "
-        f"from lora_helpers import make_adapter; make_adapter(Path({str(STORIES)!r}), Path({str(out)!r}))"
-    )
-    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, timeout=120)
-    return out
+    """A PEFT adapter of the built-in model."""
+    return make_stories_adapter(tmp_path_factory.mktemp("adapters") / "sql")
 
 
 @pytest.fixture(scope="module")
