@@ -59,6 +59,19 @@ class RouterProcess:
                 total += float(line.rsplit(" ", 1)[1])
         return total
 
+    def metric_when(self, name: str, expected: float, timeout: float = 10, **labels: str) -> float:
+        """``metric`` once it equals ``expected``, or its last value after ``timeout`` seconds.
+
+        A streamed answer is counted when the router's handler returns, which can be just after
+        the client has read the last chunk: a read straight after the stream would race it.
+        """
+        deadline = time.monotonic() + timeout
+        value = self.metric(name, **labels)
+        while value != expected and time.monotonic() < deadline:
+            time.sleep(0.05)
+            value = self.metric(name, **labels)
+        return value
+
     def stop(self, timeout: float = 15) -> int:
         if self.process.poll() is None:
             self.process.terminate()

@@ -109,7 +109,7 @@ def test_each_model_lands_on_its_own_engine_streamed_or_not(router, engines) -> 
     assert len(chunks) > 2 and "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
     gained = {name: server.metric("vllm:request_success_total") - before[name] for name, server in engines.items()}
     assert gained == {"alpha": 4, "beta": 3}
-    assert router.metric("pagoda_router_requests_total", model="alpha", code="200") == 4
+    assert router.metric_when("pagoda_router_requests_total", 4, model="alpha", code="200") == 4
 
 
 def test_models_lists_every_model_and_adapter(router) -> None:
