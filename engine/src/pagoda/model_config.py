@@ -71,6 +71,9 @@ class ModelConfig:
     eos_token_ids: frozenset[int]
     checkpoint_dtype: torch.dtype
     generation_defaults: dict[str, Any] = field(default_factory=dict, hash=False)
+    # config.json as parsed: family-specific fields (MoE routing, soft-capping, attention sinks) are read from it
+    # by the family's own model module, so this class stays the fields every family shares.
+    raw: dict[str, Any] = field(default_factory=dict, hash=False, compare=False, repr=False)
 
     @property
     def sliding_window(self) -> Optional[int]:
@@ -144,6 +147,7 @@ def _parse(model_dir: Path, raw: dict[str, Any], gen: dict[str, Any]) -> ModelCo
         eos_token_ids=frozenset(_token_ids(raw.get("eos_token_id")) | _token_ids(gen.get("eos_token_id"))),
         checkpoint_dtype=_checkpoint_dtype(raw),
         generation_defaults={k: gen[k] for k in _GENERATION_DEFAULT_KEYS if gen.get(k) is not None},
+        raw=raw,
     )
 
 
