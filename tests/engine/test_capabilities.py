@@ -86,3 +86,37 @@ def test_the_termination_message_is_written_where_kubernetes_reads_it(tmp_path, 
     assert path.read_text() == line == "ModelNotFound: model 'org/m': no such model on the Hub"
     report_startup_failure(ValueError("x" * 10_000))
     assert len(path.read_bytes()) == 4096  # the kubelet's limit
+
+
+def test_the_contract_lists_the_architectures_the_engine_builds() -> None:
+    from pagoda.models.registry import get_model_class
+
+    listed = contract()["architectures"]
+    assert {"LlamaForCausalLM", "Qwen3ForCausalLM"} <= set(listed) and listed == sorted(listed)
+    for architecture in listed:
+        get_model_class(architecture)  # each one has a model class
+
+
+def test_an_unsupported_architecture_stops_start_up_with_one_line_naming_it_and_the_supported_ones(
+    tmp_path, monkeypatch
+) -> None:
+    model = tmp_path / "model"
+    model.mkdir()
+    config = {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v3",
+        "vocab_size": 256,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 4,
+    }
+    (model / "config.json").write_text(json.dumps(config))
+    termination = tmp_path / "termination-log"
+    monkeypatch.setenv("PAGODA_TERMINATION_LOG", str(termination))
+    result = serve_error("--model", str(model))
+    assert result.returncode != 0
+    line = termination.read_text()
+    assert "\n" not in line and line.startswith("UnsupportedSpec: ")
+    assert "'DeepseekV3ForCausalLM' is not supported" in line
+    assert all(name in line for name in contract()["architectures"])

@@ -66,9 +66,11 @@ def _download(ns: argparse.Namespace) -> int:
 
 def _capabilities(ns: argparse.Namespace, serve: argparse.ArgumentParser) -> int:
     from pagoda.capabilities import capabilities
+    from pagoda.models.registry import supported_architectures
     from pagoda.vllm_flags import flag_table
 
-    data = capabilities(serve) | {"vllm_flags": flag_table()}
+    # architectures: what --task generate serves (config.json's `architectures`); the pooling tasks add encoders
+    data = capabilities(serve) | {"vllm_flags": flag_table(), "architectures": supported_architectures()}
     print(json.dumps(data, sort_keys=True) if ns.json else json.dumps(data, indent=2, sort_keys=True))
     sys.stdout.flush()
     return 0

@@ -23,6 +23,7 @@ from pagoda.executor import CacheConfig, ParallelConfig
 from pagoda.layers.linear_kernels import validate_quantization
 from pagoda.model_config import ModelConfig, resolve_dtype
 from pagoda.model_overrides import apply_overrides
+from pagoda.models.registry import get_model_class
 from pagoda.quantization.loading import quant_config_for
 from pagoda.worker.worker_config import LoRASlotConfig, WorkerConfig
 
@@ -89,6 +90,7 @@ def resolve_engine_config(args: EngineArgs) -> EngineConfig:
     model_config = apply_overrides(
         model_config, args.hf_overrides, args.override_generation_config, args.generation_config
     )
+    get_model_class(model_config.architecture)  # an architecture Pagoda lacks fails before anything is loaded
     device = resolve_device(args.device)
     # A flag the checkpoint contradicts, or a method this device lacks, fails before minutes of weight loading.
     quant = quant_config_for(model_path, args.quantization)
