@@ -23,6 +23,11 @@ Stage 2, grid ``(num_seqs, num_heads)``: merges the runs of one head, weighting 
 ``exp2(lse_p - max_p lse_p)``. When every run is empty (seq_len 0, a padding row) the output is zeros.
 With num_splits == 1, stage 1 writes the normalised output directly and stage 2 is skipped.
 
+A logit soft cap (Gemma 2) turns each score into ``cap * tanh(score / cap)`` before the mask; the host then leaves
+log2(e) out of the score scale and ``soft_cap_log2`` applies it after the tanh. Attention sinks (gpt-oss: one
+logit per query head, an extra softmax column whose value is zero) join the softmax's normaliser only, at the end:
+in stage 1 when it writes the output directly, else in the merge, the sink being one more "run" with no output.
+
 fp8 caches (float8_e4m3fn / float8_e5m2, see :mod:`pagoda_kernels.kv_write`) are read as uint8 codes and widened
 exactly in the tile loads (``fp8_decode``, then q's dtype for the dots); the K scale is folded into the score scale
 and the V scale into each run's normalised output.
@@ -41,6 +46,13 @@ import torch
 import triton
 import triton.language as tl
 
+from pagoda_kernels.attention_logits import (
+    LOG2E,
+    check_soft_cap_and_sinks,
+    reference_softmax,
+    soft_cap_log2,
+    with_sinks,
+)
 from pagoda_kernels.fp8_codes import FP8_NONE, fp8_decode, fp8_format, fp8_read_factor, kernel_view
 from pagoda_kernels.host import dot_precision, host_wrapper, sm_count, unit_last_stride
 
@@ -53,9 +65,9 @@ _MAX_SPLITS = 64
 
 @triton.jit
 def _attend_tile(
-    q, m_i, l_i, acc, k_ptr, v_ptr, bt_row_ptr, tile_start, lo, end, kv_head_off, scale_log2,
+    q, m_i, l_i, acc, k_ptr, v_ptr, bt_row_ptr, tile_start, lo, end, kv_head_off, scale_log2, soft_cap,
     stride_kb, stride_kt, offs_n, offs_d, d_mask,
-    BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, FP8: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, FP8: tl.constexpr, SOFT_CAP: tl.constexpr,
 ):  # fmt: skip
     """One online-softmax step over the BLOCK_N positions starting at tile_start (positions outside [lo, end) masked)."""
     pos = tile_start + offs_n  # [BLOCK_N]
@@ -69,7 +81,10 @@ def _attend_tile(
     if FP8 != 0:
         k = fp8_decode(k, FP8).to(q.dtype)  # exact; the K scale is in scale_log2
     # Scores in log2 units (scale * log2(e) folded in, in fp32) so the softmax can use exp2.
+    # (with SOFT_CAP, scale_log2 is the plain scale: log2(e) comes after the tanh)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_G, BLOCK_N]
+    if SOFT_CAP:
+        s = soft_cap_log2(s, soft_cap)
     s = tl.where(valid[None, :], s, float("-inf"))
     # Every tile holds at least one valid position, so m_new is finite and no -inf - -inf appears.
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -85,13 +100,14 @@ def _attend_tile(
 
 @triton.jit
 def _decode_split_kernel(
-    q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, out_ptr, lse_ptr,
-    scale_log2, window, v_factor,
+    q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, out_ptr, lse_ptr, sinks_ptr,
+    scale_log2, window, v_factor, soft_cap,
     stride_qs, stride_qh, stride_kb, stride_kt, stride_kh, stride_bts,
     stride_os, stride_oh, stride_op, stride_ls, stride_lh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    DIRECT: tl.constexpr, DOT_PRECISION: tl.constexpr, FP8: tl.constexpr,
+    DIRECT: tl.constexpr, DOT_PRECISION: tl.constexpr, FP8: tl.constexpr, SOFT_CAP: tl.constexpr,
+    SINKS: tl.constexpr,
 ):  # fmt: skip
     # q: [num_seqs, num_heads, head_dim]; out: [num_seqs, num_heads, num_splits, head_dim] fp32 partials,
     # or [num_seqs, num_heads, head_dim] when DIRECT; lse: [num_seqs, num_heads, num_splits] fp32.
@@ -121,11 +137,14 @@ def _decode_split_kernel(
     for tile_start in range(start, end, BLOCK_N):
         m_i, l_i, acc = _attend_tile(
             q, m_i, l_i, acc, k_ptr, v_ptr, bt_row_ptr, tile_start, lo, end, kv_head * stride_kh, scale_log2,
-            stride_kb, stride_kt, offs_n, offs_d, d_mask, BLOCK_SIZE, DOT_PRECISION, FP8,
+            soft_cap, stride_kb, stride_kt, offs_n, offs_d, d_mask, BLOCK_SIZE, DOT_PRECISION, FP8, SOFT_CAP,
         )  # fmt: skip
 
     has_keys = l_i > 0.0  # False only for an empty run
-    result = acc / tl.where(has_keys, l_i, 1.0)[:, None]  # empty run: 0 / 1 = zeros
+    if DIRECT and SINKS:  # the only run: the sinks join its normaliser here (else in the merge)
+        result = with_sinks(acc, m_i, l_i, tl.load(sinks_ptr + heads, mask=g_mask, other=0.0).to(tl.float32) * LOG2E)
+    else:
+        result = acc / tl.where(has_keys, l_i, 1.0)[:, None]  # empty run: 0 / 1 = zeros
     if FP8 != 0:
         result = result * v_factor  # the runs' merge is linear in their outputs
     o_ptrs = out_ptr + seq * stride_os + heads[:, None] * stride_oh + offs_d[None, :]
@@ -139,9 +158,10 @@ def _decode_split_kernel(
 
 @triton.jit
 def _decode_merge_kernel(
-    part_ptr, lse_ptr, out_ptr,
+    part_ptr, lse_ptr, out_ptr, sinks_ptr,
     stride_ps, stride_ph, stride_pp, stride_ls, stride_lh, stride_os, stride_oh,
     NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    SINKS: tl.constexpr,
 ):  # fmt: skip
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -151,11 +171,16 @@ def _decode_merge_kernel(
     d_mask = offs_d < HEAD_DIM
     lse = tl.load(lse_ptr + seq * stride_ls + head * stride_lh + offs_s, mask=s_mask, other=float("-inf"))
     lse_max = tl.max(lse, axis=0)
+    if SINKS:  # the sink is one more run (lse = its logit in log2 units) whose output is zero
+        sink = tl.load(sinks_ptr + head).to(tl.float32) * LOG2E
+        lse_max = tl.maximum(lse_max, sink)
     lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # all runs empty: every weight is exp2(-inf) = 0
     weight = tl.exp2(lse - lse_max)  # [BLOCK_S]
     part_ptrs = part_ptr + seq * stride_ps + head * stride_ph + offs_s[:, None] * stride_pp + offs_d[None, :]
     part = tl.load(part_ptrs, mask=s_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_S, BLOCK_D]
     total = tl.sum(weight, axis=0)
+    if SINKS:
+        total += tl.exp2(sink - lse_max)
     result = tl.sum(part * weight[:, None], axis=0) / tl.where(total > 0.0, total, 1.0)
     tl.store(out_ptr + seq * stride_os + head * stride_oh + offs_d, result.to(out_ptr.dtype.element_ty), mask=d_mask)
 
@@ -192,6 +217,8 @@ class _Decode(NamedTuple):
     out: Optional[torch.Tensor]
     k_scale: float  # 1.0 unless the cache is fp8 (other caches ignore the scales)
     v_scale: float
+    logits_soft_cap: Optional[float]  # scores -> cap * tanh(scores / cap) before the window
+    sinks: Optional[torch.Tensor]  # [num_heads]: one extra softmax logit per query head, its value zero
 
     @property
     def fp8(self) -> int:
@@ -210,6 +237,8 @@ def _decode_call(
     out: Optional[torch.Tensor] = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    logits_soft_cap: Optional[float] = None,
+    sinks: Optional[torch.Tensor] = None,
 ) -> _Decode:
     """The front of :func:`paged_decode_attention` and its reference: shapes and dtypes checked (no values read)."""
     if q.dim() != 3:
@@ -232,10 +261,11 @@ def _decode_call(
         raise ValueError(f"num_splits must be >= 1 or None, got {num_splits}")
     if out is not None and (out.shape != q.shape or out.dtype != q.dtype):
         raise ValueError(f"out must be {tuple(q.shape)} {q.dtype}, got {tuple(out.shape)} {out.dtype}")
+    check_soft_cap_and_sinks(q, logits_soft_cap, sinks)
     if fp8_format(kv_cache.dtype) == FP8_NONE:
         k_scale = v_scale = 1.0
     args = (q, kv_cache, block_tables, seq_lens, scale, sliding_window, max_seq_len, num_splits, out)
-    return _Decode(*args, k_scale, v_scale)
+    return _Decode(*args, k_scale, v_scale, logits_soft_cap, sinks)
 
 
 @host_wrapper(_decode_call)
@@ -247,8 +277,9 @@ def paged_decode_attention(call: _Decode) -> torch.Tensor:
     The query sits at position seq_len - 1 and attends to [max(0, seq_len - sliding_window), seq_len).
     max_seq_len (a Python int bound on seq_lens) and num_splits only tune the launch; neither changes the
     result. An fp8 cache holds codes of K / k_scale and V / v_scale (plain Python floats, so a CUDA graph keeps
-    them); other caches ignore the scales. Returns ``out`` ([num_seqs, num_heads, head_dim], q.dtype), allocated
-    when None.
+    them); other caches ignore the scales. logits_soft_cap caps every score to cap * tanh(score / cap); sinks
+    ([num_heads], any float dtype) add one softmax logit per query head that takes probability and gives no value.
+    Returns ``out`` ([num_seqs, num_heads, head_dim], q.dtype), allocated when None.
     """
     num_seqs, num_heads, head_dim = call.q.shape
     block_size, num_kv_heads = call.kv_cache.shape[2], call.kv_cache.shape[3]
@@ -271,28 +302,33 @@ def paged_decode_attention(call: _Decode) -> torch.Tensor:
     else:
         part = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
         lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
-    fp8, scale, v_factor = call.fp8, call.scale, 1.0
+    fp8, v_factor = call.fp8, 1.0
+    soft_cap = call.logits_soft_cap is not None
+    scale = call.scale if soft_cap else call.scale * _LOG2E  # a soft cap applies log2(e) after its tanh
     if fp8 != FP8_NONE:
         scale, v_factor = scale * call.k_scale * fp8_read_factor(fp8), call.v_scale * fp8_read_factor(fp8)
     codes = kernel_view(call.kv_cache)
     key_cache, value_cache = codes[0], codes[1]  # [num_blocks, block_size, num_kv_heads, head_dim]
     window = call.sliding_window if call.sliding_window is not None else _NO_WINDOW
     group = num_heads // num_kv_heads
+    sinks = call.sinks if call.sinks is not None else q  # q: a placeholder pointer, never read
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, key_cache, value_cache, block_tables, seq_lens, part, lse, scale * _LOG2E, window, v_factor,
+        q, key_cache, value_cache, block_tables, seq_lens, part, lse, sinks, scale, window, v_factor,
+        call.logits_soft_cap or 1.0,
         q.stride(0), q.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
         part.stride(0), part.stride(1), part.stride(2) if num_splits > 1 else 0,
         lse.stride(0) if num_splits > 1 else 0, lse.stride(1) if num_splits > 1 else 0,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, NUM_SPLITS=num_splits,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=_tile_len(block_size, block_d), BLOCK_D=block_d,
-        DIRECT=num_splits == 1, DOT_PRECISION=dot_precision(q.dtype), FP8=fp8, num_warps=4, num_stages=2,
+        DIRECT=num_splits == 1, DOT_PRECISION=dot_precision(q.dtype), FP8=fp8, SOFT_CAP=soft_cap,
+        SINKS=call.sinks is not None, num_warps=4, num_stages=2,
     )  # fmt: skip
     if num_splits > 1:
         _decode_merge_kernel[(num_seqs, num_heads)](
-            part, lse, out,
+            part, lse, out, sinks,
             part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
             NUM_SPLITS=num_splits, HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
-            num_warps=4,
+            SINKS=call.sinks is not None, num_warps=4,
         )  # fmt: skip
     return out
 
@@ -301,7 +337,8 @@ def paged_decode_attention(call: _Decode) -> torch.Tensor:
 def paged_decode_attention_reference(call: _Decode) -> torch.Tensor:
     """Plain-torch :func:`paged_decode_attention` (the spec): one sequence at a time, fp32 softmax.
 
-    max_seq_len and num_splits are accepted for signature parity and ignored.
+    max_seq_len and num_splits are accepted for signature parity and ignored. The soft cap and the sinks follow
+    transformers' eager attention of gemma2 and gpt_oss.
     """
     q, kv_cache, block_tables, window = call.q, call.kv_cache, call.block_tables, call.sliding_window
     num_seqs, num_heads, head_dim = q.shape
@@ -320,7 +357,8 @@ def paged_decode_attention_reference(call: _Decode) -> torch.Tensor:
         keys = keys.repeat_interleave(group, dim=1)  # [n, num_heads, head_dim]
         values = values.repeat_interleave(group, dim=1)
         scores = torch.einsum("hd,nhd->hn", q[i].float(), keys) * call.scale  # [num_heads, n]
-        result[i] = torch.einsum("hn,nhd->hd", scores.softmax(dim=-1), values)
+        probs = reference_softmax(scores, call.logits_soft_cap, None, call.sinks)
+        result[i] = torch.einsum("hn,nhd->hd", probs, values)
     if call.out is None:
         return result.to(q.dtype)
     call.out.copy_(result)

@@ -24,19 +24,28 @@ Algorithm (FlashAttention-2 style, one pass, online softmax in fp32 with ``exp2`
   starts at a large finite negative so a row that sees nothing in an early tile stays NaN-free.
 * ``head_dim`` is padded to ``BLOCK_D = max(16, next_power_of_2(head_dim))`` (``tl.dot`` needs every dim
   >= 16) with masked loads/stores, so head sizes such as 8 or 96 work.
+* A logit soft cap (Gemma 2: ``cap * tanh(s / cap)`` before the mask) is applied to each score tile; the host then
+  leaves log2(e) out of ``qk_scale`` and the cap puts it back after the tanh. Sinks (gpt-oss: one logit per query
+  head, an extra softmax column whose value is zero) join each row's normaliser at the end.
 * An fp8 cache (see :mod:`pagoda_kernels.kv_write`) is read as uint8 codes widened exactly in the tile loads; the
   K scale is folded into ``qk_scale``, the V scale into the final normalisation.
 """
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple, Optional
 
 import torch
 import triton
 import triton.language as tl
 
+from pagoda_kernels.attention_logits import (
+    LOG2E,
+    check_soft_cap_and_sinks,
+    reference_softmax,
+    soft_cap_log2,
+    with_sinks,
+)
 from pagoda_kernels.fp8_codes import FP8_NONE, fp8_decode, fp8_format, fp8_read_factor, kernel_view
 from pagoda_kernels.host import dot_precision, host_wrapper, unit_last_stride
 
@@ -52,9 +61,11 @@ def _extend_attention_kernel(
     block_tables_ptr,  # [num_reqs, max_blocks] int32/int64
     query_start_loc_ptr,  # [num_reqs + 1] int32
     seq_lens_ptr,  # [num_reqs] int32
-    qk_scale,  # softmax scale * log2(e): scores live in the exp2 domain
+    sinks_ptr,  # [num_heads], only read when SINKS
+    qk_scale,  # softmax scale * log2(e): scores live in the exp2 domain (without log2(e) when SOFT_CAP)
     sliding_window,  # only read when USE_WINDOW
     v_factor,  # only read when FP8: the V scale (times fp8_read_factor)
+    soft_cap,  # only read when SOFT_CAP
     stride_qt,
     stride_qh,
     stride_ot,
@@ -72,6 +83,8 @@ def _extend_attention_kernel(
     USE_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     FP8: tl.constexpr,
+    SOFT_CAP: tl.constexpr,
+    SINKS: tl.constexpr,
 ):
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -123,6 +136,8 @@ def _extend_attention_kernel(
         if FP8 != 0:
             k = fp8_decode(k, FP8).to(q.dtype)  # exact; the K scale is in qk_scale
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+        if SOFT_CAP:
+            s = soft_cap_log2(s, soft_cap)
         # For a real row q_pos < hi, so the causal test also drops the tile's padding keys.
         visible = pos[None, :] <= q_pos[:, None]
         if USE_WINDOW:
@@ -140,7 +155,10 @@ def _extend_attention_kernel(
         m_i = m_new
 
     # Every real row sees at least its own key (l_i > 0); padding rows may see none and are not stored.
-    out = acc / tl.where(row_valid, l_i, 1.0)[:, None]
+    if SINKS:
+        out = with_sinks(acc, m_i, l_i, tl.load(sinks_ptr + head, mask=row_valid, other=0.0).to(tl.float32) * LOG2E)
+    else:
+        out = acc / tl.where(row_valid, l_i, 1.0)[:, None]
     if FP8 != 0:
         out = out * v_factor
     o_offs = (q_start + tok).to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
@@ -171,6 +189,8 @@ class _Extend(NamedTuple):
     out: Optional[torch.Tensor]
     k_scale: float  # 1.0 unless the cache is fp8 (other caches ignore the scales)
     v_scale: float
+    logits_soft_cap: Optional[float]  # scores -> cap * tanh(scores / cap) before the mask
+    sinks: Optional[torch.Tensor]  # [num_heads]: one extra softmax logit per query head, its value zero
 
 
 def _extend_call(
@@ -185,6 +205,8 @@ def _extend_call(
     out: Optional[torch.Tensor] = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    logits_soft_cap: Optional[float] = None,
+    sinks: Optional[torch.Tensor] = None,
 ) -> _Extend:
     """The front of :func:`paged_extend_attention` and its reference: shapes and dtypes checked (no device->host
     sync); raises ValueError on bad input."""
@@ -219,10 +241,11 @@ def _extend_call(
         raise ValueError(f"sliding_window must be positive or None, got {sliding_window}")
     if out is not None and (out.shape != q.shape or out.dtype != q.dtype):
         raise ValueError(f"out must match q ({tuple(q.shape)}, {q.dtype}), got ({tuple(out.shape)}, {out.dtype})")
+    check_soft_cap_and_sinks(q, logits_soft_cap, sinks)
     if fp8 == FP8_NONE:
         k_scale = v_scale = 1.0
     batch = (q, kv_cache, block_tables, query_start_loc, seq_lens, max_query_len)
-    return _Extend(*batch, scale, sliding_window, out, k_scale, v_scale)
+    return _Extend(*batch, scale, sliding_window, out, k_scale, v_scale, logits_soft_cap, sinks)
 
 
 @host_wrapper(_extend_call)
@@ -235,7 +258,8 @@ def paged_extend_attention(call: _Extend) -> torch.Tensor:
     query length (it sizes the grid; a smaller value leaves rows unwritten). Returns (or fills) out
     [num_tokens, num_heads, head_dim] in q.dtype; rows past query_start_loc[-1] are left untouched. kv_cache is
     in q's dtype, or fp8 holding codes of K / k_scale and V / v_scale (other caches ignore the scales).
-    Never syncs with the device.
+    logits_soft_cap caps every score to cap * tanh(score / cap); sinks ([num_heads], any float dtype) add one softmax
+    logit per query head that takes probability and gives no value. Never syncs with the device.
     """
     out = call.out if call.out is not None else torch.empty_like(call.q)
     if out.stride(-1) != 1:
@@ -250,7 +274,8 @@ def paged_extend_attention(call: _Extend) -> torch.Tensor:
     if call.kv_cache.stride(-1) != 1:
         raise ValueError("kv_cache must be contiguous in its last dimension")
     fp8 = fp8_format(call.kv_cache.dtype)
-    qk_scale, v_factor = call.scale * _LOG2E, 1.0
+    soft_cap = call.logits_soft_cap is not None
+    qk_scale, v_factor = call.scale * (1.0 if soft_cap else _LOG2E), 1.0  # a soft cap applies log2(e) after its tanh
     if fp8 != FP8_NONE:
         qk_scale, v_factor = qk_scale * call.k_scale * fp8_read_factor(fp8), call.v_scale * fp8_read_factor(fp8)
     codes = kernel_view(call.kv_cache)
@@ -259,12 +284,14 @@ def paged_extend_attention(call: _Extend) -> torch.Tensor:
     grid = (num_reqs, num_kv_heads, triton.cdiv(max_query_len * group, block_m))
     _extend_attention_kernel[grid](
         q, k_cache, v_cache, out, call.block_tables, call.query_start_loc, call.seq_lens,
-        qk_scale, call.sliding_window or 0, v_factor,
+        call.sinks if call.sinks is not None else q,  # q: a placeholder pointer, never read
+        qk_scale, call.sliding_window or 0, v_factor, call.logits_soft_cap or 1.0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), call.block_tables.stride(0),
         HEAD_DIM=head_dim, GROUP=group, KV_BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)), USE_WINDOW=call.sliding_window is not None,
-        DOT_PRECISION=dot_precision(q.dtype), FP8=fp8, num_warps=num_warps,
+        DOT_PRECISION=dot_precision(q.dtype), FP8=fp8, SOFT_CAP=soft_cap, SINKS=call.sinks is not None,
+        num_warps=num_warps,
     )  # fmt: skip
     return out
 
@@ -274,7 +301,8 @@ def paged_extend_attention_reference(call: _Extend) -> torch.Tensor:
     """Plain-torch specification of :func:`paged_extend_attention` (same signature; loops over requests).
 
     Gathers each request's whole context through its block table, then runs an explicitly masked
-    softmax in fp32. Syncs with the device (it reads the lengths on the host).
+    softmax in fp32 (soft cap and sinks as transformers' gemma2 / gpt_oss eager attention). Syncs with the device
+    (it reads the lengths on the host).
     """
     q, kv_cache, window, max_query_len = call.q, call.kv_cache, call.sliding_window, call.max_query_len
     out = call.out if call.out is not None else torch.empty_like(q)
@@ -299,6 +327,6 @@ def paged_extend_attention_reference(call: _Extend) -> torch.Tensor:
         visible = k_pos[None, :] <= q_pos
         if window is not None:
             visible &= k_pos[None, :] > q_pos - window
-        probs = torch.softmax(scores.masked_fill(~visible, -math.inf), dim=-1)
+        probs = reference_softmax(scores, call.logits_soft_cap, visible, call.sinks)
         out[start:end] = torch.einsum("hqk,khd->qhd", probs, values).to(q.dtype)
     return out

@@ -54,7 +54,12 @@ class AttentionMetadata:
 
 @dataclass(frozen=True, slots=True)
 class AttentionLayerSpec:
-    """Per-layer constants of an attention layer."""
+    """Per-layer constants of an attention layer.
+
+    Scores are ``scale * q.k``; with ``logits_soft_cap`` they become ``cap * tanh(score / cap)`` (Gemma 2) before
+    the causal / sliding-window mask. With ``has_sinks`` the backend's ``sinks`` argument holds one learned logit per
+    query head (gpt-oss): an extra softmax column whose probability is dropped, so a row's weights sum below 1.
+    """
 
     num_heads: int
     num_kv_heads: int
@@ -63,6 +68,14 @@ class AttentionLayerSpec:
     sliding_window: Optional[int] = None  # attend to at most this many most recent keys
     k_scale: float = 1.0  # fp8 caches only: a cached key is code * k_scale
     v_scale: float = 1.0  # fp8 caches only: a cached value is code * v_scale
+    logits_soft_cap: Optional[float] = None  # scores -> cap * tanh(scores / cap), before masking
+    has_sinks: bool = False  # forward() gets sinks: float32 [num_heads]
+
+    @property
+    def plain_softmax(self) -> bool:
+        """Whether scores go straight into a softmax (no soft cap, no sink column): what SDPA and the native CPU
+        kernel compute."""
+        return self.logits_soft_cap is None and not self.has_sinks
 
 
 FP8_KV_DTYPES: dict[str, torch.dtype] = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
@@ -85,6 +98,14 @@ def dequantize_kv(codes: torch.Tensor, scale: float, dtype: torch.dtype) -> torc
     return (codes.float() * scale).to(dtype)
 
 
+def check_sinks(spec: AttentionLayerSpec, sinks: Optional[torch.Tensor]) -> None:
+    """Raise ValueError unless ``sinks`` is given exactly when the layer has them, as one logit per query head."""
+    if spec.has_sinks != (sinks is not None):
+        raise ValueError(f"layer has_sinks={spec.has_sinks} but sinks {'not ' if sinks is None else ''}given")
+    if sinks is not None and tuple(sinks.shape) != (spec.num_heads,):
+        raise ValueError(f"sinks must be [num_heads={spec.num_heads}], got {tuple(sinks.shape)}")
+
+
 class AttentionBackend(Protocol):
     """One interface for every device: write this step's K/V, then attend."""
 
@@ -101,6 +122,7 @@ class AttentionBackend(Protocol):
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
         spec: AttentionLayerSpec,
+        sinks: Optional[torch.Tensor] = None,  # [num_heads] float32, given exactly when spec.has_sinks
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """Write k/v through the slot mapping, then attend causally over each request's context."""
 

@@ -11,7 +11,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from pagoda.attention.protocol import AttentionLayerSpec, AttentionMetadata, dequantize_kv, is_fp8, quantize_kv
+from pagoda.attention.protocol import (
+    AttentionLayerSpec,
+    AttentionMetadata,
+    check_sinks,
+    dequantize_kv,
+    is_fp8,
+    quantize_kv,
+)
 from pagoda.cpu import cpu_ops, use_fused_ops
 
 
@@ -24,9 +31,15 @@ def native_attention_applies(q: torch.Tensor, spec: AttentionLayerSpec) -> bool:
     """Whether the native CPU kernel (``pagoda/cpu/paged_attention.cpp``) serves this layer.
 
     16-bit activations only, like the other native ops: float32 runs keep SDPA, which tests hold
-    bit-exact to transformers.
+    bit-exact to transformers. The kernel has neither soft-capping nor sinks: such layers take the plain path.
     """
-    return spec.head_dim % 16 == 0 and spec.head_dim <= 256 and use_fused_ops(q) and _native_attention_built()
+    return (
+        spec.plain_softmax
+        and spec.head_dim % 16 == 0
+        and spec.head_dim <= 256
+        and use_fused_ops(q)
+        and _native_attention_built()
+    )
 
 
 class TorchAttentionBackend:
@@ -38,6 +51,8 @@ class TorchAttentionBackend:
     contexts, and each prefill chunk runs its own SDPA with a causal mask offset by the cached
     prefix. All of this step's K/V are written before any request attends, so a request may
     read blocks another request of the same step is filling (prefix-cache hits in one step).
+    Layers with a logit soft cap or sinks, which neither SDPA nor the native kernel computes, take
+    the same gathers and masks into an explicit float32 softmax (:func:`_plain_attention`).
     """
 
     name = "torch"
@@ -93,9 +108,17 @@ class TorchAttentionBackend:
             )
 
     def forward(
-        self, q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor, meta: AttentionMetadata, spec: AttentionLayerSpec
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        kv_cache: Tensor,
+        meta: AttentionMetadata,
+        spec: AttentionLayerSpec,
+        sinks: Optional[Tensor] = None,
     ) -> Tensor:
-        num_kv_heads, head_dim = spec.num_kv_heads, spec.head_dim
+        """:meth:`AttentionBackend.forward <pagoda.attention.protocol.AttentionBackend.forward>`."""
+        check_sinks(spec, sinks)
         if native_attention_applies(q, spec) and not (self.prefill_kernel == "sdpa" and _has_prompt_rows(meta)):
             query_start_loc, seq_lens = self._prepare_native(meta)
             return torch.ops.pagoda_cpu.paged_attention(  # writes this step's K/V into the caches first
@@ -113,14 +136,14 @@ class TorchAttentionBackend:
                 spec.k_scale,
                 spec.v_scale,
             )
-        key_cache = kv_cache[0].view(-1, num_kv_heads, head_dim)
-        value_cache = kv_cache[1].view(-1, num_kv_heads, head_dim)
+        key_cache = kv_cache[0].view(-1, spec.num_kv_heads, spec.head_dim)
+        value_cache = kv_cache[1].view(-1, spec.num_kv_heads, spec.head_dim)
         k, v = _write_kv(key_cache, value_cache, k, v, meta.slot_mapping, spec)
         state = meta.backend_state
         if "prefill_rows" not in state:
             self._prepare_sdpa(meta)
         if not state["prefill_rows"]:  # pure decode: rows are the decodes in order, no scatter needed
-            return self._decode(q, key_cache, value_cache, state, spec)
+            return self._decode(q, key_cache, value_cache, state, spec, sinks)
         out = torch.empty_like(q)
         for i in state["prefill_rows"]:
             start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
@@ -132,14 +155,19 @@ class TorchAttentionBackend:
                     _gather(key_cache, index, spec.k_scale, q.dtype),
                     _gather(value_cache, index, spec.v_scale, q.dtype),
                 )
-            key = (i, spec.sliding_window)
+            # SDPA takes None for a causal square; the plain softmax needs the mask itself (window 0: causal only)
+            window = spec.sliding_window if spec.plain_softmax else spec.sliding_window or 0
+            key = (i, window)
             if key not in state["masks"]:
-                state["masks"][key] = _prefill_mask(end - start, meta.seq_lens[i], spec.sliding_window, q.device)
-            mask = state["masks"][key]
-            out[start:end] = _sdpa(q[start:end].unsqueeze(0), ctx_k.unsqueeze(0), ctx_v.unsqueeze(0), mask, spec)[0]
+                state["masks"][key] = _prefill_mask(end - start, meta.seq_lens[i], window, q.device)
+            q_i, ctx_k, ctx_v, mask = q[start:end][None], ctx_k[None], ctx_v[None], state["masks"][key]
+            if spec.plain_softmax:
+                out[start:end] = _sdpa(q_i, ctx_k, ctx_v, mask, spec)[0]
+            else:
+                out[start:end] = _plain_attention(q_i, ctx_k, ctx_v, mask[None], spec, sinks)[0]
         if state["decode_rows"]:
             rows = state["decode_query_index"]
-            out[rows] = self._decode(q[rows], key_cache, value_cache, state, spec)
+            out[rows] = self._decode(q[rows], key_cache, value_cache, state, spec, sinks)
         return out
 
     @staticmethod
@@ -149,11 +177,12 @@ class TorchAttentionBackend:
         value_cache: torch.Tensor,
         state: dict[str, Any],
         spec: AttentionLayerSpec,
+        sinks: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:  # [num_decodes, num_heads, head_dim]
         index, valid = state["decode_index"], state["decode_valid"]
         ctx_k = _gather(key_cache, index, spec.k_scale, q.dtype)  # [num_decodes, max_len, kv_heads, dim]
         ctx_v = _gather(value_cache, index, spec.v_scale, q.dtype)
-        if spec.sliding_window is None and state["decode_unmasked"]:
+        if spec.sliding_window is None and state["decode_unmasked"] and spec.plain_softmax:
             # Each KV head's query group becomes that head's "query rows" (SDPA's enable_gqa path is
             # several times slower on the CPU): q -> [num_decodes, kv_heads, group, head_dim].
             num_decodes, group = q.shape[0], spec.num_heads // spec.num_kv_heads
@@ -172,6 +201,8 @@ class TorchAttentionBackend:
                 first = (state["decode_lens"] - spec.sliding_window).unsqueeze(1)
                 mask = valid & (pos.unsqueeze(0) >= first)
                 state["masks"][spec.sliding_window] = mask
+        if not spec.plain_softmax:
+            return _plain_attention(q.unsqueeze(1), ctx_k, ctx_v, mask.unsqueeze(1), spec, sinks)[:, 0]
         return _sdpa(q.unsqueeze(1), ctx_k, ctx_v, mask[:, None, None, :], spec)[:, 0]
 
 
@@ -226,13 +257,14 @@ def _context_slots(block_table: torch.Tensor, seq_len: int, block_size: int) -> 
 def _prefill_mask(
     q_len: int, seq_len: int, sliding_window: Optional[int], device: torch.device
 ) -> Optional[torch.Tensor]:
-    """Boolean [q_len, seq_len] mask (True = attend), or None for a plain causal square."""
+    """Boolean [q_len, seq_len] mask (True = attend), or None for a plain causal square (unless sliding_window is
+    0: then always the mask, without a window)."""
     if q_len == seq_len and sliding_window is None:
         return None
     q_pos = torch.arange(seq_len - q_len, seq_len, device=device).unsqueeze(1)
     k_pos = torch.arange(seq_len, device=device).unsqueeze(0)
     mask = k_pos <= q_pos
-    if sliding_window is not None:
+    if sliding_window:
         mask &= k_pos > q_pos - sliding_window
     return mask
 
@@ -268,3 +300,40 @@ def _sdpa(
     )  # [batch, kv_heads, q_len * group, head_dim]
     out = out.view(batch, spec.num_kv_heads, q_len, group, spec.head_dim).permute(0, 2, 1, 3, 4)
     return out.reshape(batch, q_len, spec.num_heads, spec.head_dim)
+
+
+# Scores of one _plain_attention pass are at most this many float32 elements (64 MiB); longer chunks go in parts.
+_PLAIN_SCORES = 1 << 24
+
+
+def _plain_attention(
+    q: torch.Tensor,  # [batch, q_len, num_heads, head_dim]
+    k: torch.Tensor,  # [batch, kv_len, num_kv_heads, head_dim]
+    v: torch.Tensor,
+    mask: torch.Tensor,  # [batch or 1, q_len, kv_len] bool, True = attend
+    spec: AttentionLayerSpec,
+    sinks: Optional[torch.Tensor],  # [num_heads], or None
+) -> torch.Tensor:  # [batch, q_len, num_heads, head_dim]
+    """Masked attention with an explicit float32 softmax: scores ``scale * q.k``, soft-capped to
+    ``cap * tanh(scores / cap)`` when the layer has a cap, masked, then softmax over the keys plus, with sinks, one
+    extra column per head holding its sink logit (its probability is dropped). Every row must see a key or a sink."""
+    batch, q_len, kv_len = q.shape[0], q.shape[1], k.shape[1]
+    kv_heads, group, head_dim = spec.num_kv_heads, spec.num_heads // spec.num_kv_heads, spec.head_dim
+    keys, values = k.float(), v.float()
+    sink_col = None if sinks is None else sinks.float().view(1, kv_heads, group, 1, 1)
+    out = torch.empty_like(q)
+    step = max(1, _PLAIN_SCORES // (batch * spec.num_heads * kv_len))
+    for lo in range(0, q_len, step):
+        hi = min(q_len, lo + step)
+        # query head h = kv_head * group + g reads KV head kv_head
+        q_part = q[:, lo:hi].float().view(batch, hi - lo, kv_heads, group, head_dim)
+        scores = torch.einsum("bqkgd,blkd->bkgql", q_part, keys) * spec.scale  # [batch, kv_heads, group, q, kv_len]
+        if spec.logits_soft_cap is not None:
+            scores = torch.tanh(scores / spec.logits_soft_cap) * spec.logits_soft_cap
+        scores = scores.masked_fill(~mask[:, None, None, lo:hi], float("-inf"))
+        if sink_col is not None:
+            scores = torch.cat([scores, sink_col.expand(batch, -1, -1, hi - lo, 1)], dim=-1)
+        probs = torch.softmax(scores, dim=-1)[..., :kv_len]
+        part = torch.einsum("bkgql,blkd->bqkgd", probs, values)
+        out[:, lo:hi] = part.reshape(batch, hi - lo, spec.num_heads, head_dim).to(q.dtype)
+    return out

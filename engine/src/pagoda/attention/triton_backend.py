@@ -21,7 +21,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from pagoda.attention.protocol import AttentionLayerSpec, AttentionMetadata
+from pagoda.attention.protocol import AttentionLayerSpec, AttentionMetadata, check_sinks
 
 
 class TritonAttentionBackend:
@@ -75,11 +75,20 @@ class TritonAttentionBackend:
         }
 
     def forward(
-        self, q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor, meta: AttentionMetadata, spec: AttentionLayerSpec
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        kv_cache: Tensor,
+        meta: AttentionMetadata,
+        spec: AttentionLayerSpec,
+        sinks: Optional[Tensor] = None,
     ) -> Tensor:
         """:meth:`AttentionBackend.forward` (shapes there): write this step's K/V (slots < 0 are skipped), then attend
         over each request's context. An fp8 cache (its dtype says so) gets and gives codes through the layer's
-        k_scale / v_scale: plain floats, so a captured CUDA graph holds them as launch arguments."""
+        k_scale / v_scale: plain floats, so a captured CUDA graph holds them as launch arguments. The soft cap is a
+        float too; sinks are the layer's parameter tensor, read in place (its address is fixed once loaded)."""
+        check_sinks(spec, sinks)
         state = meta.backend_state
         self._write_kv(k, v, kv_cache, meta.slot_mapping, spec.k_scale, spec.v_scale)
         out = torch.empty_like(q)
@@ -96,6 +105,8 @@ class TritonAttentionBackend:
                 out=out,
                 k_scale=spec.k_scale,
                 v_scale=spec.v_scale,
+                logits_soft_cap=spec.logits_soft_cap,
+                sinks=sinks,
             )
         return self._extend(
             q,
@@ -109,4 +120,6 @@ class TritonAttentionBackend:
             out=out,
             k_scale=spec.k_scale,
             v_scale=spec.v_scale,
+            logits_soft_cap=spec.logits_soft_cap,
+            sinks=sinks,
         )
