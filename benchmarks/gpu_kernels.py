@@ -154,9 +154,55 @@ def elementwise_cases(shape: Shape, sizes: Sizes, dtype: torch.dtype, device: to
     return cases
 
 
+def _moe_grouped_torch(x, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
+    """The per-expert torch loop (pairs sorted by expert, two F.linear per routed expert): the prefill baseline,
+    since the per-token reference is too slow at prefill sizes. Syncs once (the expert counts)."""
+    inter, flat = w2.shape[2], topk_ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
+    rows, weights = order // topk_ids.shape[1], topk_weights.reshape(-1)[order]
+    out, start = torch.zeros(x.shape, dtype=torch.float32, device=x.device), 0
+    for e, count in enumerate(counts):
+        if count:
+            sel = rows[start : start + count]
+            gate_up = F.linear(x[sel], w13[e])
+            y = F.linear(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], w2[e]).float()
+            out.index_add_(0, sel, y * weights[start : start + count, None])
+            start += count
+    return out.to(x.dtype)
+
+
+def fused_moe_cases(sizes: Sizes, dtype: torch.dtype, device: torch.device) -> list[KernelCase]:
+    """The Triton fused MoE at a Qwen3-30B-A3B expert shape (E=128, k=8, H=2048, I=768; tiny on CPU): decode
+    (``sizes.decode_batch`` tokens, against the per-token reference) and prefill (``sizes.tokens``, against the
+    per-expert torch loop). Bytes: the expected distinct experts' weights plus activations."""
+    from pagoda_kernels.fused_moe import fused_moe, fused_moe_reference
+
+    e, k, h, i = (128, 8, 2048, 768) if device.type == "cuda" else (8, 2, 32, 48)
+    elem = torch.empty((), dtype=dtype).element_size()
+    cases, phases = [], (("decode", sizes.decode_batch, fused_moe_reference), ("prefill", sizes.tokens, None))
+    for phase, tokens, baseline in phases:
+
+        def make(tokens=tokens) -> ArgSet:
+            w13 = randn(e, 2 * i, h, dtype=dtype, device=device) / h**0.5
+            w2 = randn(e, h, i, dtype=dtype, device=device) / i**0.5
+            logits = torch.randn(tokens, e, device=device)
+            topk_weights, topk_ids = torch.topk(torch.softmax(logits, dim=-1), k, dim=-1)
+            return randn(tokens, h, dtype=dtype, device=device), w13, w2, topk_weights, topk_ids
+
+        touched = e * (1 - (1 - k / e) ** tokens)  # expected distinct experts routed to
+        moved = int(touched * 3 * i * h * elem + 2 * tokens * h * elem)
+        reference = baseline or _moe_grouped_torch
+        label = f"E={e} k={k} H={h} I={i}, {tokens} tok ({'per-token' if baseline else 'per-expert torch'} reference)"
+        variants = {"triton": (fused_moe, make), "reference": (reference, make)}
+        case = KernelCase(f"fused_moe {phase}", label, moved, 6 * tokens * k * h * i, variants, e * 3 * i * h * elem)
+        cases.append(case)
+    return cases
+
+
 def kernel_cases(shapes: tuple[Shape, ...], sizes: Sizes, dtype: torch.dtype, device: torch.device) -> list[Callable]:
     """Builders of every case, in the order they are measured (built lazily: inputs cost memory)."""
-    builders: list[Callable] = []
+    builders: list[Callable] = [lambda: fused_moe_cases(sizes, dtype, device)]  # first: its own shape, not per model
     for shape in shapes:
         for make in (decode_case, extend_case, write_kv_case):
             builders.append(lambda make=make, shape=shape: [make(shape, sizes, dtype, device)])
