@@ -121,7 +121,8 @@ def load_model(
                 kv_scales[name] = tensor
             elif router is None or not router.take(name, tensor):  # quantized tensors are kept as stored
                 # Cast on the device the tensor was loaded to, so a GPU load never holds an fp32 copy on the host.
-                yield name, tensor.to(dtype)
+                # Integer tensors (gpt-oss's MXFP4 blocks and scales) stay as stored: the model class reads them.
+                yield name, tensor.to(dtype) if tensor.is_floating_point() else tensor
 
     model.load_weights(weights())
     apply_kv_scales(model, kv_scales)

@@ -71,7 +71,8 @@ class QuantConfig:
 
 
 def checkpoint_quant_config(hf_config: dict) -> Optional[QuantConfig]:
-    """The quantization of a checkpoint from its config.json (None when it has no ``quantization_config``).
+    """The quantization of a checkpoint from its config.json (None when it has no ``quantization_config``, and for
+    gpt-oss's MXFP4 experts, which the model class reads itself: :mod:`pagoda.quantization.mxfp4`).
 
     Raises ValueError naming what is unsupported (and what is supported) for any other format.
     """
@@ -88,6 +89,8 @@ def checkpoint_quant_config(hf_config: dict) -> Optional[QuantConfig]:
         return _parse_gptq(qc)
     if method == "compressed-tensors":
         return _parse_compressed_tensors(qc)
+    if method == "mxfp4":
+        return _check_mxfp4(hf_config)
     detail = ""
     if "weight_block_size" in qc:
         detail = f" with block-wise FP8 scales (weight_block_size {qc['weight_block_size']})"
@@ -117,11 +120,35 @@ def resolve_quant_config(requested: Optional[str], hf_config: dict) -> Optional[
         )
     if method in ONLINE_METHODS:
         return QuantConfig(method, serialized=False, bits=8)
+    if _is_mxfp4(hf_config):
+        raise ValueError(
+            f"--quantization {method} does not apply to this checkpoint: its experts are MXFP4, served as published; "
+            f"omit --quantization, or pass {' or '.join(ONLINE_METHODS)} to quantize its other layers at load"
+        )
     raise ValueError(
         f"--quantization {method} needs a {method.upper()} checkpoint, but this checkpoint is not quantized "
         f"(no quantization_config in config.json); to quantize it at load pass --quantization "
         f"{' or '.join(ONLINE_METHODS)}, or serve a {method.upper()}-quantized checkpoint"
     )
+
+
+MXFP4_ARCHITECTURES = ("GptOssForCausalLM",)  # whose model classes read MXFP4 experts (gpt-oss as published)
+
+
+def _is_mxfp4(hf_config: dict) -> bool:
+    qc = hf_config.get("quantization_config")
+    return isinstance(qc, dict) and str(qc.get("quant_method", "")).lower() == "mxfp4"
+
+
+def _check_mxfp4(hf_config: dict) -> None:
+    """None (the model reads the experts' blocks and scales) for the architectures that have MXFP4 experts."""
+    architectures = hf_config.get("architectures") or []
+    if not set(architectures) & set(MXFP4_ARCHITECTURES):
+        raise _unsupported(
+            f"MXFP4 (quant_method 'mxfp4') for {', '.join(map(str, architectures)) or 'this architecture'}; "
+            f"MXFP4 experts are served for {', '.join(MXFP4_ARCHITECTURES)}"
+        )
+    return None
 
 
 def _unsupported(what: str) -> ValueError:
