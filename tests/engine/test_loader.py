@@ -19,7 +19,21 @@ from pagoda.model_config import ModelConfig, RopeScaling, resolve_dtype
 from pagoda.models import LlamaForCausalLM, Qwen3ForCausalLM, get_model_class, supported_architectures
 
 STORIES_DIR = Path(__file__).resolve().parents[2] / "engine/src/pagoda/assets/models/stories260K"
-SUPPORTED = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]
+SUPPORTED = sorted(
+    [
+        "Gemma2ForCausalLM",
+        "Gemma3ForCausalLM",
+        "GptOssForCausalLM",
+        "LlamaForCausalLM",
+        "MistralForCausalLM",
+        "MixtralForCausalLM",
+        "Phi3ForCausalLM",
+        "Qwen2ForCausalLM",
+        "Qwen2MoeForCausalLM",
+        "Qwen3ForCausalLM",
+        "Qwen3MoeForCausalLM",
+    ]
+)
 
 
 @pytest.fixture(scope="session")
@@ -201,8 +215,8 @@ def test_llama3_rope_config_formats_agree_with_transformers(tmp_path: Path, rope
 
 
 def test_unsupported_rope_type_is_a_value_error(tmp_path: Path) -> None:
-    write_config(tmp_path, llama_config(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}))
-    with pytest.raises(ValueError, match="'yarn' is not supported.*default, linear, llama3"):
+    write_config(tmp_path, llama_config(rope_parameters={"rope_type": "mrope", "rope_theta": 1e4, "factor": 4.0}))
+    with pytest.raises(ValueError, match="'mrope' is not supported.*default, linear, llama3, yarn, dynamic, longrope"):
         ModelConfig.from_model_dir(tmp_path)
 
 
