@@ -21,6 +21,9 @@ from pagoda.model_config import ModelConfig
 _COLUMN = {".q_proj.": "q", ".k_proj.": "kv", ".v_proj.": "kv", ".gate_proj.": "inter", ".up_proj.": "inter"}
 _ROW = {".o_proj.": "q", ".down_proj.": "inter"}
 _VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
+# Mixture-of-experts projections (Mixtral names them w1/w3/w2), split by their own intermediate dim.
+_EXPERT_COLUMN = (".gate_proj.", ".up_proj.", ".w1.", ".w3.")
+_EXPERT_ROW = (".down_proj.", ".w2.")
 
 
 @dataclass(frozen=True)
@@ -88,6 +91,26 @@ class ShardLayout:
                 start, size = self._rows(kind, num_kv_heads_total)
                 return tensor_slice[:, start : start + size]
         return tensor_slice[:]  # norms: every rank holds them whole
+
+    def read_expert(self, name: str, tensor_slice: Any) -> torch.Tensor:
+        """This rank's part of an expert (or shared expert) projection: every expert is split along its own
+        intermediate dim (``moe_intermediate_size``, not the dense ``intermediate_size``), gate/up by rows and down
+        by columns, so the ranks' expert outputs are partial sums like the dense MLP's (no expert parallelism)."""
+        if self.world_size == 1:
+            return tensor_slice[:]
+        row = any(fragment in name for fragment in _EXPERT_ROW)
+        if not row and not any(fragment in name for fragment in _EXPERT_COLUMN):
+            return tensor_slice[:]  # routers and the shared expert's gate: every rank holds them whole
+        if row and name.endswith(".bias"):
+            bias = tensor_slice[:]
+            return bias if self.rank == 0 else torch.zeros_like(bias)
+        shape = tensor_slice.get_shape()
+        total = shape[1] if row and len(shape) > 1 else shape[0]
+        if total % self.world_size:
+            raise ValueError(f"{name}: expert intermediate size {total} is not divisible by {self.world_size} ranks")
+        size = total // self.world_size
+        start = self.rank * size
+        return tensor_slice[:, start : start + size] if row else tensor_slice[start : start + size]
 
     def _vocab_rows(self, tensor_slice: Any) -> torch.Tensor:
         start = min(self.vocab_start, self.vocab_size)

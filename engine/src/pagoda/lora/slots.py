@@ -123,6 +123,8 @@ def _wrap_layers(
     modules = {suffix for suffix, _ in PROJECTIONS.values()}
     for index, layer in enumerate(model.model.layers):
         for suffix in sorted(modules):
+            if suffix.startswith("mlp.") and not hasattr(layer.mlp, suffix.split(".", 1)[1]):
+                continue  # a mixture-of-experts layer has no dense MLP: adapters naming it are refused at load
             linear = layer.get_submodule(suffix)
             assert isinstance(linear, Linear), f"{suffix} of layer {index} is not a Linear"
             slices = linear.output_sizes if isinstance(linear, MergedLinear) else (linear.out_features,)

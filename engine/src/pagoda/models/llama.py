@@ -193,7 +193,7 @@ class LlamaForCausalLM(nn.Module):
         layers = [
             LlamaDecoderLayer(
                 self.attention_cls(config, i, attn_backend, dtype, self.shard, tp),
-                LlamaMLP(config, dtype, self.shard, tp),
+                self.build_mlp(i, dtype),
                 config,
                 dtype,
             )
@@ -203,6 +203,10 @@ class LlamaForCausalLM(nn.Module):
         # Tied embeddings share one Parameter; the checkpoint's lm_head.weight (if any) is ignored, as in HF.
         tied = self.model.embed_tokens.weight if config.tie_word_embeddings else None
         self.lm_head = Linear(config.hidden_size, self.shard.vocab_shard, bias=False, dtype=dtype, shared_weight=tied)
+
+    def build_mlp(self, layer_idx: int, dtype: torch.dtype) -> nn.Module:
+        """The feed-forward of decoder layer ``layer_idx`` (mixture-of-experts families override this)."""
+        return LlamaMLP(self.config, dtype, self.shard, self.tp)
 
     @property
     def kv_cache_spec(self) -> KVCacheSpec:

@@ -27,7 +27,7 @@ from pagoda.quantization.weights import FP8_E4M3_MAX
 
 _INDEX = "model.safetensors.index.json"
 _TARGET = re.compile(
-    r"^(?P<module>.*\.layers\.(?P<layer>\d+)\.(?:self_attn\.(?P<attn>[qkvo])_proj|mlp\.(?P<mlp>gate|up|down)_proj))"
+    r"^(?P<module>.*\.layers\.(?P<layer>\d+)\.(?:self_attn\.(?P<attn>[qkvo])_proj|mlp\.(?:experts\.\d+\.)?(?P<mlp>gate|up|down)_proj))"
     r"\.weight$"
 )
 # Act order permutes a layer's inputs: projections that read the same activations share one permutation.
