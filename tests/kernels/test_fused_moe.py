@@ -221,16 +221,11 @@ def test_bad_arguments_raise_value_error(change: dict, match: str) -> None:
         fused_moe(**args)
 
 
-class _GptOssSwiGlu:
-    """An act_and_mul that names itself for the kernel (the attribute pagoda.layers.moe_gpu reads)."""
+def _gpt_oss_swiglu() -> object:
+    """gpt-oss's own expert activation, which names itself for the kernel (the attribute pagoda.layers.moe_gpu reads)."""
+    from pagoda.models.gpt_oss import ClampedSwiGLU
 
-    moe_activation = "swiglu_oai"
-    swiglu_alpha, swiglu_limit = 1.702, 7.0
-
-    def __call__(self, gate_up: torch.Tensor) -> torch.Tensor:
-        gate, up = gate_up.chunk(2, dim=-1)
-        gate, up = gate.clamp(max=self.swiglu_limit), up.clamp(-self.swiglu_limit, self.swiglu_limit)
-        return (up + 1) * gate * torch.sigmoid(self.swiglu_alpha * gate)
+    return ClampedSwiGLU(alpha=1.702, limit=7.0)
 
 
 def _moe_experts(act_and_mul: Optional[object], bias: bool):
@@ -248,7 +243,7 @@ def _moe_experts(act_and_mul: Optional[object], bias: bool):
     return experts
 
 
-@pytest.mark.parametrize(("act", "bias"), [(None, False), (_GptOssSwiGlu(), True)], ids=["silu", "swiglu_oai-bias"])
+@pytest.mark.parametrize(("act", "bias"), [(None, False), (_gpt_oss_swiglu(), True)], ids=["silu", "swiglu_oai-bias"])
 def test_engine_fused_experts_equal_the_grouped_path(act: Optional[object], bias: bool) -> None:
     """On CPU tensors under the interpreter: same output as MoEExperts' grouped torch path, and the kernel's stacked
     weights are the experts' parameters (a weight copied in later is seen by the next call)."""

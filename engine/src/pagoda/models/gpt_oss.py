@@ -71,10 +71,13 @@ class GptOssConfig:
 class ClampedSwiGLU(nn.Module):
     """gpt-oss's expert activation over ``[gate | up]`` (de-interleaved at load): [n, 2 * inter] -> [n, inter]."""
 
+    moe_activation = "swiglu_oai"  # what the Triton fused MoE kernel calls it (pagoda.layers.moe_gpu)
+
     def __init__(self, alpha: float, limit: float) -> None:
         super().__init__()
         self.alpha = alpha
         self.limit = limit
+        self.swiglu_alpha, self.swiglu_limit = alpha, limit  # the kernel's names for the two constants
 
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
