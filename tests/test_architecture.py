@@ -207,6 +207,7 @@ KERNEL_FLOORS: tuple[tuple[str, ...], ...] = (
         "pagoda_kernels.decode_attention",
         "pagoda_kernels.extend_attention",
         "pagoda_kernels.fp8_gemm",
+        "pagoda_kernels.fused_moe",
         "pagoda_kernels.int_gemm",
         "pagoda_kernels.kv_write",
         "pagoda_kernels.lora",
@@ -216,7 +217,12 @@ KERNEL_FLOORS: tuple[tuple[str, ...], ...] = (
     # the weight-quantized GEMM kernel behind int_gemm and fp8_gemm, its split-K reduction and its launch
     ("pagoda_kernels.quant_gemm",),
     # Triton pieces several kernels share: GEMM tile choice, weight-tile dequantization, the KV cache's FP8 codes
-    ("pagoda_kernels.gemm_tiles", "pagoda_kernels.weight_tiles", "pagoda_kernels.fp8_codes"),
+    (
+        "pagoda_kernels.gemm_tiles",
+        "pagoda_kernels.weight_tiles",
+        "pagoda_kernels.fp8_codes",
+        "pagoda_kernels.attention_logits",
+    ),
     # host-side helpers (the host-wrapper pattern, strides, dot precision, SM count); no Triton
     ("pagoda_kernels.host",),
 )

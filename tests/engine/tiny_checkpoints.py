@@ -19,17 +19,29 @@ from typing import Any, Optional
 
 import torch
 from transformers import (
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     GenerationConfig,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     PretrainedConfig,
     PreTrainedModel,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen2MoeConfig,
+    Qwen2MoeForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 ARCHES = ("llama", "mistral", "qwen2", "qwen3")
@@ -40,6 +52,12 @@ _CLASSES: dict[str, tuple[type[PretrainedConfig], type[PreTrainedModel]]] = {
     "mistral": (MistralConfig, MistralForCausalLM),
     "qwen2": (Qwen2Config, Qwen2ForCausalLM),
     "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+    "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
+    "mixtral": (MixtralConfig, MixtralForCausalLM),
+    "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM),
+    "gemma2": (Gemma2Config, Gemma2ForCausalLM),
+    "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM),
+    "phi3": (Phi3Config, Phi3ForCausalLM),
 }
 
 _BASE_CONFIG: dict[str, Any] = dict(
@@ -64,6 +82,76 @@ _ARCH_CONFIG: dict[str, dict[str, Any]] = {
     "mistral": dict(sliding_window=None, rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
     "qwen2": dict(rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
     "qwen3": dict(tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+    # MoE: more experts than top-k so that some go unrouted in a step; Qwen3-MoE with a dense layer in the middle
+    # (mlp_only_layers), Qwen2-MoE with a dense first layer (decoder_sparse_step 2) and no renormalisation.
+    # transformers 5's save_pretrained writes the published per-expert layout (experts.{e}.gate_proj / w1 ...).
+    "qwen3_moe": dict(
+        num_hidden_layers=3,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        norm_topk_prob=True,
+        mlp_only_layers=[1],
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+    ),
+    "mixtral": dict(
+        intermediate_size=48,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+    ),
+    "qwen2_moe": dict(
+        num_experts=6,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+        norm_topk_prob=False,
+        decoder_sparse_step=2,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+    ),
+    # Phi-4-mini's shape of RoPE: LongRoPE over the first 3/4 of each head (12 of 16: 6 factors per list), the
+    # pretraining context (128) a top-level field, max_position_embeddings 4x it; pad id inside the tiny vocab.
+    "phi3": dict(
+        pad_token_id=0,
+        tie_word_embeddings=True,
+        partial_rotary_factor=0.75,
+        original_max_position_embeddings=128,
+        rope_parameters={
+            "rope_type": "longrope",
+            "rope_theta": 10000.0,
+            "short_factor": [1.0, 1.02, 1.1, 1.3, 1.7, 2.1],
+            "long_factor": [1.0, 1.5, 3.0, 7.5, 16.0, 31.0],
+        },
+    ),
+    # Gemma: hidden 72 (sqrt(72) is rounded when the embedding is scaled in bf16), query_pre_attn_scalar != head_dim,
+    # a window of 8 so that prompts outrun it, soft caps low enough to bend these logits; Gemma 3 with its
+    # per-layer-type RoPE (local base 10k, global 1M with the 4B+ models' linear factor 8). A smaller
+    # initializer_range: with the random norm weights each (1 + weight) norm is a ~2x gain (four per layer, and Gemma
+    # 3's q/k norms sharpen attention), and at 0.15 transformers' own bf16 logits stray 0.4-0.9 from its fp32 ones.
+    "gemma2": dict(
+        initializer_range=0.08,
+        hidden_size=72,
+        num_hidden_layers=3,
+        tie_word_embeddings=True,
+        query_pre_attn_scalar=24,
+        sliding_window=8,
+        attn_logit_softcapping=10.0,
+        final_logit_softcapping=5.0,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    ),
+    "gemma3": dict(
+        initializer_range=0.06,
+        hidden_size=72,
+        num_hidden_layers=3,
+        tie_word_embeddings=True,
+        query_pre_attn_scalar=24,
+        sliding_window=8,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+        },
+    ),
 }
 
 

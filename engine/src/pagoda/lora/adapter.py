@@ -31,6 +31,11 @@ PROJECTIONS: dict[str, tuple[str, int]] = {
     "up_proj": ("mlp.gate_up_proj", 1),
     "down_proj": ("mlp.down_proj", 0),
 }
+# Checkpoints that store a projection already fused (Phi-3's qkv_proj and gate_up_proj) train adapters on the fused
+# module: one A, and a B whose rows are the slices in order. Each slice gets the shared A and its rows of B, which
+# is the same product.
+FUSED_PROJECTIONS: dict[str, str] = {"qkv_proj": "self_attn.qkv_proj", "gate_up_proj": "mlp.gate_up_proj"}
+WHOLE = -1  # the part index of a fused target: every slice of the module
 _TENSOR = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 # adapter_config.json fields whose non-default values change the math in ways not served here
 _UNSUPPORTED_SETTINGS = {
@@ -89,7 +94,7 @@ def load_adapter(
         raise LoRAAdapterError(f"LoRA adapter {name!r}: {folder} has no {WEIGHTS_FILE}")
     pairs = _read_pairs(name, weights_file, targets)
     weights: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
-    for (module, part), tensors in sorted(pairs.items()):
+    for (module, part), tensors in sorted(_split_fused(name, pairs, targets).items()):
         a, b = _check_pair(name, module, part, tensors, targets[module], rank)
         a, b = a.to(dtype).contiguous(), (b.float() * scaling).to(dtype).contiguous()
         _check_finite(name, module, part, a, b, scaling)
@@ -114,6 +119,31 @@ def _read_pairs(
     except Exception as exc:  # a truncated or corrupt file: safetensors raises its own error types
         raise LoRAAdapterError(f"LoRA adapter {name!r}: cannot read {WEIGHTS_FILE}: {exc}") from None
     return pairs
+
+
+def _split_fused(
+    name: str,
+    pairs: dict[tuple[str, int], dict[str, torch.Tensor]],
+    targets: Mapping[str, tuple[int, tuple[int, ...]]],
+) -> dict[tuple[str, int], dict[str, torch.Tensor]]:
+    """Pairs of fused targets (part ``WHOLE``) as one pair per slice: the shared A and the slice's rows of B."""
+    result = {key: tensors for key, tensors in pairs.items() if key[1] != WHOLE}
+    for (module, part), tensors in pairs.items():
+        if part != WHOLE:
+            continue
+        if any(key[0] == module for key in result):
+            raise LoRAAdapterError(f"LoRA adapter {name!r}: {module} is targeted both fused and by its parts")
+        slices = targets[module][1]
+        b = tensors.get("B")
+        if b is not None and (b.dim() != 2 or b.shape[0] != sum(slices)):
+            raise LoRAAdapterError(
+                f"LoRA adapter {name!r}: {module} has lora_B {tuple(b.shape)}; the base model needs "
+                f"[{sum(slices)}, r]: was it trained on another base model?"
+            )
+        rows = b.split(list(slices)) if b is not None else [None] * len(slices)
+        for part, b_rows in enumerate(rows):
+            result[(module, part)] = {k: v for k, v in (("A", tensors.get("A")), ("B", b_rows)) if v is not None}
+    return result
 
 
 def _read_config(name: str, folder: Path) -> dict:
@@ -171,11 +201,18 @@ def _target_of(name: str, key: str, targets: Mapping[str, tuple[int, tuple[int, 
             f"q/k/v/o/gate/up/down projection; {what}targets are not served"
         )
     layer, proj, which = match.groups()
+    if proj in FUSED_PROJECTIONS and f"layers.{layer}.{FUSED_PROJECTIONS[proj]}" in targets:
+        return f"layers.{layer}.{FUSED_PROJECTIONS[proj]}", WHOLE, which
     if proj not in PROJECTIONS:
         raise LoRAAdapterError(f"LoRA adapter {name!r}: target module {proj!r} (tensor {key!r}) is not served")
     module_suffix, part = PROJECTIONS[proj]
     module = f"layers.{layer}.{module_suffix}"
     if module not in targets:
+        if any(target.startswith(f"layers.{layer}.") for target in targets):  # e.g. a mixture-of-experts layer
+            raise LoRAAdapterError(
+                f"LoRA adapter {name!r}: tensor {key!r} targets {proj}, which layer {layer} of this model does not "
+                "have (a mixture-of-experts layer has experts, whose projections are not served)"
+            )
         raise LoRAAdapterError(f"LoRA adapter {name!r}: tensor {key!r} names layer {layer}, which the model lacks")
     return module, part, which
 
