@@ -135,3 +135,29 @@ def test_quantized_checkpoints_of_the_fused_projections_are_refused_by_name(tiny
     model.quant_config = QuantConfig(method="awq", serialized=True, bits=4, group_size=32)
     with pytest.raises(ValueError, match="awq checkpoints of Phi3ForCausalLM are not supported.*qkv_proj"):
         model.load_weights(iter([]))
+
+
+def test_a_lora_adapter_on_the_fused_projections_gives_pefts_tokens(tiny: TinyCheckpoints, tmp_path) -> None:
+    """Phi-3 adapters are trained on the fused qkv_proj / gate_up_proj: one A and a B over all the slices."""
+    from lora_helpers import make_adapter
+    from peft import PeftModel
+
+    from pagoda.capabilities import builtin_model_path
+    from pagoda.entrypoints.llm import LLM
+    from pagoda.lora import LoRARequest
+    from pagoda.sampling_params import SamplingParams
+
+    base = tiny.get("phi3")
+    targets = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+    adapter = make_adapter(base, tmp_path / "adapter", rank=8, seed=2, targets=targets)
+    reference = PeftModel.from_pretrained(hf_model(base, torch.float32), adapter).eval()
+    batch = [random_prompt(9 + i, seed=40 + i) for i in range(3)]
+    expected = [hf_greedy(reference, p, 10) for p in batch]
+    plain = [hf_greedy(hf_model(base, torch.float32), p, 10) for p in batch]
+    assert expected != plain  # the adapter changes the output
+    llm = LLM(model=str(base), tokenizer=str(builtin_model_path()), block_size=4, max_model_len=96, enable_lora=True)
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    outputs = llm.generate(
+        batch + batch, params, use_tqdm=False, lora_request=[LoRARequest("a", 1, str(adapter))] * 3 + [None] * 3
+    )
+    assert [o.outputs[0].token_ids for o in outputs] == expected + plain
