@@ -138,6 +138,26 @@ def test_quantized_experts_equal_transformers_on_the_dequantized_weights(tiny, t
     ]
 
 
+def test_a_quantized_mixtral_checkpoint_loads_its_hub_named_experts(tiny, tmp_path) -> None:
+    """Mixtral's Hub names (block_sparse_moe.experts.{e}.w1/w3/w2) hold the quantized tensors of the experts."""
+    from test_quantized_models import _llm
+
+    src = tiny.get("mixtral", torch.float32, intermediate_size=64)  # AWQ groups of 32 along every input
+    model_dir = write_quantized_checkpoint(src, tmp_path / "q", "awq", group_size=32)
+    dequantized = dequantized_state(model_dir)
+    assert any(".block_sparse_moe.experts.3.w2" in module for module in dequantized)
+    reference = hf_model(_reference_checkpoint(src, dequantized, tmp_path / "ref"), torch.float32)
+    llm = _llm(model_dir, dtype="float32")
+    kernels = llm.engine.executor.driver_worker.model_runner.linear_kernels
+    quantized = sum(n for kernel, n in kernels.items() if kernel.startswith("int4"))
+    num_layers = len(llm.engine.executor.driver_worker.model_runner.model.model.layers)
+    assert quantized == num_layers * (4 * 2 + 2), kernels  # every expert's gate_up and down, and qkv and o
+    outputs = llm.generate(PROMPTS[:4], GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == [
+        hf_greedy(reference, p, GREEDY.max_tokens) for p in PROMPTS[:4]
+    ]
+
+
 def test_lora_on_attention_gives_peft_tokens(tiny, tmp_path) -> None:
     from lora_helpers import make_adapter, peft_greedy, peft_model
     from test_quantized_models import _llm

@@ -139,6 +139,9 @@ def attach_quantized_sources(model: nn.Module, config: QuantConfig, names: set[s
         if not isinstance(layer, Linear) or layer.weight is None:
             continue
         hf_modules = _hf_modules(module_name, layer)
+        # a family whose checkpoints name modules otherwise (Mixtral's block_sparse_moe.experts.{e}.w1) maps them
+        rename = getattr(model, "checkpoint_module_name", None)
+        hf_modules = tuple(map(rename, hf_modules)) if rename is not None else hf_modules
         quantized = [is_quantized_module(config.method, names, hf) for hf in hf_modules]
         if not any(quantized):
             continue

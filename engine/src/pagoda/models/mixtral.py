@@ -55,6 +55,14 @@ class MixtralForCausalLM(MoeCausalLMMixin, LlamaForCausalLM):
         self.moe_args = mixtral_moe_args(config)  # build_mlp reads it during the base constructor
         super().__init__(config, attn_backend, dtype, tp)
 
+    @staticmethod
+    def checkpoint_module_name(module: str) -> str:
+        """The Hub's name of module ``module`` (as the loader names it, e.g. ``...mlp.experts.3.gate_proj``): where a
+        quantized checkpoint keeps that module's tensors."""
+        for ours, hubs in reversed(_RENAMES):
+            module = (module + ".").replace(hubs, ours)[:-1]
+        return module
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """:meth:`LlamaForCausalLM.load_weights` over the Hub names mapped onto this model's."""
         return super().load_weights(_renamed(weights))

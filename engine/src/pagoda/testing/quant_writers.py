@@ -27,9 +27,11 @@ from pagoda.quantization.weights import FP8_E4M3_MAX
 
 _INDEX = "model.safetensors.index.json"
 _TARGET = re.compile(
-    r"^(?P<module>.*\.layers\.(?P<layer>\d+)\.(?:self_attn\.(?P<attn>[qkvo])_proj|mlp\.(?:experts\.\d+\.)?(?P<mlp>gate|up|down)_proj))"
+    r"^(?P<module>.*\.layers\.(?P<layer>\d+)\.(?:self_attn\.(?P<attn>[qkvo])_proj|mlp\.(?:experts\.\d+\.)?(?P<mlp>gate|up|down)_proj"
+    r"|block_sparse_moe\.experts\.\d+\.(?P<mixtral>w[123])))"
     r"\.weight$"
 )
+_MIXTRAL_ROLES = {"w1": "gate", "w3": "up", "w2": "down"}  # Mixtral's expert projections as the Hub names them
 # Act order permutes a layer's inputs: projections that read the same activations share one permutation.
 _INPUT_GROUP = {"q": 0, "k": 0, "v": 0, "o": 1, "gate": 2, "up": 2, "down": 3}
 
@@ -168,7 +170,7 @@ def _quantize_module(
         return {"qweight": _pack_awq(q.t()), "qzeros": _pack_awq(zeros), "scales": scales}
     perm = None
     if opts.desc_act:
-        role = match["attn"] or match["mlp"]
+        role = match["attn"] or match["mlp"] or _MIXTRAL_ROLES[match["mixtral"]]
         generator = torch.Generator().manual_seed(opts.seed * 1_000_003 + int(match["layer"]) * 8 + _INPUT_GROUP[role])
         perm = torch.randperm(in_features, generator=generator)
         w = w[:, perm]  # GPTQ quantizes the inputs in act order: group g holds perm[g*size:(g+1)*size]
