@@ -128,6 +128,20 @@ def test_paged_steps_equal_dense_attention(name, dtype, cache):
         torch.testing.assert_close(outputs[n].float(), want, rtol=tol, atol=tol)
 
 
+def test_the_plain_path_gives_the_same_result_in_parts(monkeypatch):
+    """A bound on the scores held at once (decode batches over long contexts, long prompt chunks) slices the batch
+    and the query rows; the result does not change."""
+    import pagoda.attention.torch_backend as torch_backend
+
+    layer = make_layer(FEATURES["all"])
+    q, k, v = random_sequences(torch.float32)
+    whole = run_layer(layer, q, k, v, torch.float32)
+    monkeypatch.setattr(torch_backend, "_PLAIN_SCORES", 64)  # below one row's scores: one row per pass
+    parts = run_layer(layer, q, k, v, torch.float32)
+    for n in LENGTHS:
+        torch.testing.assert_close(parts[n], whole[n], rtol=1e-6, atol=1e-6)
+
+
 def test_each_feature_changes_the_result():
     q, k, v = random_sequences(torch.float32)
     plain = run_layer(make_layer({}), q, k, v, torch.float32)["A"]

@@ -43,3 +43,12 @@ def test_a_tensor_parallel_gpu_engine_hands_its_executor_enforce_eager() -> None
     )
     assert tensor_parallel.cache.enforce_eager is True
     assert dataclasses.replace(tensor_parallel, args=config.args).cache.enforce_eager is False
+
+
+def test_quantized_experts_run_eagerly_on_a_gpu_and_dense_ones_are_captured() -> None:
+    """A mixture of experts whose experts are quantized runs them one by one over their routed tokens, reading the
+    routing back to the host, which a CUDA graph cannot hold; dense experts take the fused kernel."""
+    reason = eager_reason(False, 1, CUDA, quantized_experts=True)
+    assert reason is not None and "experts are quantized" in reason
+    assert eager_reason(False, 1, CUDA, quantized_experts=False) is None
+    assert eager_reason(False, 1, CPU, quantized_experts=True) is None

@@ -135,3 +135,15 @@ def test_two_ranks_through_llm_equal_one_rank_and_transformers(
             results[tp] = (logits, [o.outputs[0].token_ids for o in outputs])
     assert results[2][1] == results[1][1] == expected
     assert (results[2][0] - results[1][0]).abs().max().item() <= 1e-5
+
+
+def test_a_tensor_parallel_size_that_splits_mxfp4_groups_is_refused_before_any_rank_starts(mxfp4) -> None:
+    from pagoda.config import EngineArgs
+    from pagoda.engine.engine_config import resolve_engine_config
+
+    model_dir, _ = mxfp4  # experts 64 wide: 32 per rank at TP=2, 16 at TP=4
+    assert resolve_engine_config(EngineArgs(model=str(model_dir), tensor_parallel_size=2, max_model_len=64))
+    with pytest.raises(ValueError, match="--tensor-parallel-size 4 splits gpt-oss's MXFP4 experts"):
+        resolve_engine_config(EngineArgs(model=str(model_dir), tensor_parallel_size=4, max_model_len=64))
+    config = resolve_engine_config(EngineArgs(model=str(model_dir), max_model_len=64))
+    assert config.quantized_experts  # so a GPU would run its decode steps eagerly

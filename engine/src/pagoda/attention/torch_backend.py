@@ -314,6 +314,27 @@ def _plain_attention(
     spec: AttentionLayerSpec,
     sinks: Optional[torch.Tensor],  # [num_heads], or None
 ) -> torch.Tensor:  # [batch, q_len, num_heads, head_dim]
+    """:func:`_plain_rows` over slices of the batch, so that a decode batch (q_len 1) over long contexts also keeps
+    its scores and its float32 copy of K/V within about ``_PLAIN_SCORES`` elements per pass."""
+    batch = q.shape[0]
+    rows = max(1, _PLAIN_SCORES // (spec.num_heads * k.shape[1] * q.shape[1]))
+    if batch <= rows:
+        return _plain_rows(q, k, v, mask, spec, sinks)
+    parts = []
+    for lo in range(0, batch, rows):
+        part_mask = mask[lo : lo + rows] if mask.shape[0] > 1 else mask
+        parts.append(_plain_rows(q[lo : lo + rows], k[lo : lo + rows], v[lo : lo + rows], part_mask, spec, sinks))
+    return torch.cat(parts)
+
+
+def _plain_rows(
+    q: torch.Tensor,  # [batch, q_len, num_heads, head_dim]
+    k: torch.Tensor,  # [batch, kv_len, num_kv_heads, head_dim]
+    v: torch.Tensor,
+    mask: torch.Tensor,  # [batch or 1, q_len, kv_len] bool, True = attend
+    spec: AttentionLayerSpec,
+    sinks: Optional[torch.Tensor],  # [num_heads], or None
+) -> torch.Tensor:  # [batch, q_len, num_heads, head_dim]
     """Masked attention with an explicit float32 softmax: scores ``scale * q.k``, soft-capped to
     ``cap * tanh(scores / cap)`` when the layer has a cap, masked, then softmax over the keys plus, with sinks, one
     extra column per head holding its sink logit (its probability is dropped). Every row must see a key or a sink."""

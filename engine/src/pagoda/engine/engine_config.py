@@ -42,6 +42,7 @@ class EngineConfig:
     max_model_len: int
     attention_backend: str  # resolved: torch | triton
     scheduler: SchedulerConfig
+    quantized_experts: bool = False  # a mixture of experts whose experts are quantized: see eager_reason
 
     @property
     def worker(self) -> WorkerConfig:
@@ -77,7 +78,10 @@ class EngineConfig:
             max_num_batched_tokens=self.scheduler.max_num_batched_tokens,
             kv_cache_memory=args.kv_cache_memory,
             gpu_memory_utilization=args.gpu_memory_utilization,
-            enforce_eager=eager_reason(args.enforce_eager, args.tensor_parallel_size, self.device) is not None,
+            enforce_eager=eager_reason(
+                args.enforce_eager, args.tensor_parallel_size, self.device, self.quantized_experts
+            )
+            is not None,
         )
 
 
@@ -90,7 +94,7 @@ def resolve_engine_config(args: EngineArgs) -> EngineConfig:
     model_config = apply_overrides(
         model_config, args.hf_overrides, args.override_generation_config, args.generation_config
     )
-    get_model_class(model_config.architecture)  # an architecture Pagoda lacks fails before anything is loaded
+    model_cls = get_model_class(model_config.architecture)  # an architecture Pagoda lacks fails before any loading
     device = resolve_device(args.device)
     # A flag the checkpoint contradicts, or a method this device lacks, fails before minutes of weight loading.
     quant = quant_config_for(model_path, args.quantization)
@@ -99,6 +103,9 @@ def resolve_engine_config(args: EngineArgs) -> EngineConfig:
         check_quantization_tensor_parallel(quant.method, args.tensor_parallel_size, quant.serialized)
     if args.tensor_parallel_size > 1:
         check_shardable(model_config, args.tensor_parallel_size)  # before any process starts
+        family_check = getattr(model_cls, "check_tensor_parallel", None)  # e.g. expert widths, MXFP4 groups
+        if family_check is not None:
+            family_check(model_config, args.tensor_parallel_size)
     dtype = resolve_dtype(args.dtype, model_config, device)
     if quant is not None and device.type == "cpu" and args.dtype == "auto" and dtype == torch.float16:
         # AWQ/GPTQ checkpoints are mostly float16; the CPU's quantized kernels take bfloat16 activations.
@@ -107,7 +114,11 @@ def resolve_engine_config(args: EngineArgs) -> EngineConfig:
     max_model_len = resolve_max_model_len(args.max_model_len, model_config)
     backend = resolve_attention_backend(args.attention_backend, device)
     logger.info("attention backend: %s (%s)", backend, args.attention_backend)
-    reason = eager_reason(args.enforce_eager, args.tensor_parallel_size, device)
+    # Quantized experts (AWQ, GPTQ, FP8, gpt-oss's MXFP4) run per expert, which reads the routing back to the host.
+    quantized_experts = getattr(model_cls, "routed_experts", False) and (
+        quant is not None or "quantization_config" in model_config.raw
+    )
+    reason = eager_reason(args.enforce_eager, args.tensor_parallel_size, device, quantized_experts)
     if reason is not None and not args.enforce_eager:
         logger.info("decode steps run eagerly, without CUDA graphs: %s", reason)
     return EngineConfig(
@@ -119,18 +130,25 @@ def resolve_engine_config(args: EngineArgs) -> EngineConfig:
         max_model_len=max_model_len,
         attention_backend=backend,
         scheduler=SchedulerConfig.from_args(args, max_model_len),
+        quantized_experts=quantized_experts,
     )
 
 
-def eager_reason(enforce_eager: bool, tensor_parallel_size: int, device: torch.device) -> Optional[str]:
+def eager_reason(
+    enforce_eager: bool, tensor_parallel_size: int, device: torch.device, quantized_experts: bool = False
+) -> Optional[str]:
     """Why decode steps run without CUDA graphs, or None when they are captured (CUDA only: the Triton backend).
 
     ``--enforce-eager``, or tensor parallelism on a GPU: a captured decode step would hold NCCL all-reduces, and
     no GPU run has shown those to replay correctly yet. There is deliberately no flag that asks for graphs with
     ``tensor_parallel_size > 1``: lift this rule (and test it on GPUs) rather than offering an unverified mode.
+    Quantized mixture-of-experts layers run expert by expert over the tokens routed to each, which reads the
+    routing back to the host: a graph cannot capture that (dense experts take the fused MoE kernel, which can).
     """
     if enforce_eager:
         return "--enforce-eager"
+    if torch.device(device).type == "cuda" and quantized_experts:
+        return "the experts are quantized: they run one by one over their routed tokens, which a graph cannot hold"
     if torch.device(device).type == "cuda" and tensor_parallel_size > 1:
         return (
             f"tensor_parallel_size={tensor_parallel_size}: capturing NCCL all-reduces in CUDA graphs is not verified "

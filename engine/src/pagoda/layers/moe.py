@@ -119,6 +119,9 @@ class MoEExperts(nn.Module):
 
     def grouped_forward(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """The portable path: (token, expert) pairs sorted by expert, one GEMM chain per routed expert."""
+        # The per-expert row counts come back to the host; the engine runs such models' decode steps eagerly
+        # (engine_config.eager_reason), so this only trips when that rule is bypassed.
+        assert not (hidden.is_cuda and torch.cuda.is_current_stream_capturing()), "grouped MoE inside a CUDA graph"
         top_k = topk_ids.shape[1]
         flat_ids = topk_ids.reshape(-1)  # [T * k]
         order = torch.argsort(flat_ids, stable=True)  # pairs grouped by expert, token order kept inside a group

@@ -165,6 +165,18 @@ class GptOssMLP(nn.Module):
 class GptOssForCausalLM(LlamaForCausalLM):
     """gpt-oss-20b / gpt-oss-120b; forward, logits and the KV cache spec are the Llama decoder's."""
 
+    routed_experts = True  # the engine's start-up checks read it (CUDA graphs, tensor parallelism)
+
+    @classmethod
+    def check_tensor_parallel(cls, config: ModelConfig, world_size: int) -> None:
+        """ValueError before any rank starts when MXFP4 expert groups of 32 would straddle two ranks."""
+        if Mxfp4Config.from_raw(config.raw) is not None and (config.intermediate_size // world_size) % MXFP4_BLOCK:
+            raise ValueError(
+                f"--tensor-parallel-size {world_size} splits gpt-oss's MXFP4 experts ({config.intermediate_size} wide) "
+                f"inside groups of {MXFP4_BLOCK}; use a size that keeps intermediate_size / size a multiple of "
+                f"{MXFP4_BLOCK} (2 for gpt-oss-20b and 120b)"
+            )
+
     def __init__(  # noqa: PLR0913 (the model constructor of every family)
         self, config: ModelConfig, attn_backend: AttentionBackend, dtype: torch.dtype, tp: TensorParallel = SINGLE
     ) -> None:

@@ -123,6 +123,15 @@ class MoeCausalLMMixin:
     config: ModelConfig
     tp: TensorParallel
     shard: Any
+    routed_experts = True  # the engine's start-up checks read it (CUDA graphs, tensor parallelism)
+
+    @classmethod
+    def check_tensor_parallel(cls, config: ModelConfig, world_size: int) -> None:
+        """ValueError before any rank starts when ``world_size`` does not divide the experts' widths."""
+        for field in ("moe_intermediate_size", "shared_expert_intermediate_size"):
+            size = config.raw.get(field)
+            if size and int(size) % world_size:
+                raise ValueError(f"--tensor-parallel-size {world_size} does not divide {field} {size}")
 
     def build_mlp(self, layer_idx: int, dtype: torch.dtype) -> nn.Module:
         """The MoE block on sparse layers, the dense SwiGLU MLP elsewhere."""
