@@ -158,6 +158,21 @@ def test_a_quantized_mixtral_checkpoint_loads_its_hub_named_experts(tiny, tmp_pa
     ]
 
 
+@pytest.mark.parametrize("quantization", ["int8", "fp8"])
+def test_quantizing_at_load_keeps_the_routers_dense(tiny, quantization) -> None:
+    """The router's logits pick the experts: quantizing it would move tokens to other experts (checkpoints, vLLM and
+    transformers all keep it dense), so --quantization int8 / fp8 quantizes everything around it but not it."""
+    from test_quantized_models import _llm
+
+    llm = _llm(tiny.get("qwen2_moe", torch.bfloat16), dtype="bfloat16", quantization=quantization)
+    model = llm.engine.executor.driver_worker.model_runner.model
+    routers = [m for name, m in model.named_modules() if name.endswith(("mlp.gate", "mlp.shared_expert_gate"))]
+    experts = [m for name, m in model.named_modules() if name.endswith("experts.0.down_proj")]
+    assert routers and experts
+    assert all(quantization in getattr(r.kernel, "name", "dense") for r in experts)
+    assert not any(quantization in getattr(r.kernel, "name", "dense") for r in routers)
+
+
 def test_lora_on_attention_gives_peft_tokens(tiny, tmp_path) -> None:
     from lora_helpers import make_adapter, peft_greedy, peft_model
     from test_quantized_models import _llm

@@ -57,6 +57,10 @@ class Linear(nn.Module):
     kernel (a prepacked or quantized copy of the weight); the plain weight is then released.
     """
 
+    # Never quantized at load (--quantization int8 / fp8): a mixture of experts' router, whose logits pick the
+    # experts; quantizing it changes which experts tokens go to, not just a rounding step. Checkpoints leave it dense.
+    keep_dense: bool = False
+
     def __init__(
         self,
         in_features: int,

@@ -84,13 +84,14 @@ def prepare_linear_layers(
             continue
         gated = isinstance(layer, MergedLinear) and layer.gated
         quantized = quantized_layer_kernel(layer, module_name, quant, device, gated and dtype == torch.bfloat16)
+        layer_quantization = None if layer.keep_dense else dense_quantization
         if quantized is not None:
             kernel = quantized
         elif selector is not None:
             role = "gated" if gated else "logits" if module_name.rsplit(".", 1)[-1] == "lm_head" else "linear"
-            kernel = selector.kernel(layer, role, candidate_kernels(layer.out_features, gated, dense_quantization))
+            kernel = selector.kernel(layer, role, candidate_kernels(layer.out_features, gated, layer_quantization))
         else:
-            kernel = _kernel_for(layer, pack, native_bf16, dense_quantization, gated)
+            kernel = _kernel_for(layer, pack, native_bf16, layer_quantization, gated)
         if kernel is not None:
             layer.set_kernel(kernel)
         name = kernel.name if kernel is not None else "torch-linear"
@@ -153,6 +154,6 @@ def quantized_layer_kernel(
             )
         return kernel_for_weight(weight, bias, device, gated)
     online_fp8 = quant is not None and quant.method == "fp8" and not quant.serialized
-    if online_fp8 and module_name.rsplit(".", 1)[-1] != "lm_head":
+    if online_fp8 and module_name.rsplit(".", 1)[-1] != "lm_head" and not layer.keep_dense:
         return kernel_for_weight(quantize_fp8_per_row(layer.weight), bias, device, gated)
     return None

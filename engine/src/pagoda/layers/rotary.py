@@ -167,6 +167,8 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", tables.inv_freq.to(device), persistent=False)  # [rotary_dim // 2] fp32
         long_inv_freq = None if tables.long_inv_freq is None else tables.long_inv_freq.to(device)
         self.register_buffer("long_inv_freq", long_inv_freq, persistent=False)  # longrope only, else None
+        # dynamic NTK's exponents on the model's device: a host-to-device copy per step would break graph capture
+        self.register_buffer("exponents", _exponents(self.rotary_dim).to(device), persistent=False)
         # Positions from which the per-token rule of the module docstring applies (None: never).
         self.switch_position: Optional[int] = None
         if scaling is not None and scaling.rope_type == "longrope":
@@ -202,8 +204,7 @@ class RotaryEmbedding(nn.Module):
         dim, factor, limit = self.rotary_dim, self.scaling.factor, self.scaling.max_position_embeddings
         seq_len = torch.clamp(positions + 1, min=limit)  # [num_tokens] int64
         base = self.theta * ((factor * seq_len / limit) - (factor - 1)) ** (dim / (dim - 2))  # [num_tokens] fp32
-        exponents = _exponents(dim).to(positions.device)
-        return 1.0 / (base[:, None] ** exponents[None, :])
+        return 1.0 / (base[:, None] ** self.exponents[None, :])
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

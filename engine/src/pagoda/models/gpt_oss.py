@@ -140,6 +140,7 @@ class GptOssMLP(nn.Module):
         self.tp = tp
         self.top_k = family.top_k
         self.router = Linear(config.hidden_size, family.num_experts, True, dtype)
+        self.router.keep_dense = True  # never quantized at load: its logits pick the experts
         act = ClampedSwiGLU(family.swiglu_alpha, family.swiglu_limit)
         # MXFP4 experts never get a dense weight: each projection holds its checkpoint tensors (Mxfp4Source).
         with linear_weights_on_meta() if quantized else contextlib.nullcontext():

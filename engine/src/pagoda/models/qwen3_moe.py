@@ -89,12 +89,14 @@ class SparseMoeBlock(MoEExperts):
         self.args = args
         self.tp = tp
         self.gate = Linear(hidden, args.num_experts, bias=False, dtype=dtype)
+        self.gate.keep_dense = True  # the router: never quantized at load
         self.shared_expert: Optional[ExpertMLP] = None
         self.shared_expert_gate: Optional[Linear] = None
         if args.shared_expert_intermediate_size:
             shared = args.shared_expert_intermediate_size // tp.world_size
             self.shared_expert = ExpertMLP(hidden, shared, dtype, act_and_mul=act)
             self.shared_expert_gate = Linear(hidden, 1, bias=False, dtype=dtype)
+            self.shared_expert_gate.keep_dense = True
 
     def forward(  # type: ignore[override]
         self,
