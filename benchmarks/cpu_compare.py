@@ -32,6 +32,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -123,9 +124,8 @@ def checkpoints(model_dir: Path, chosen: list[System]) -> dict[str, Path | str]:
     return result
 
 
-def make_workload(args: argparse.Namespace) -> dict:
+def make_workload(args: argparse.Namespace, vocab: int = QWEN3_SHAPE["vocab_size"]) -> dict:
     rng = random.Random(args.seed)
-    vocab = QWEN3_SHAPE["vocab_size"]
 
     def prompt(length: int) -> list[int]:
         return [rng.randrange(FIRST_PLAIN_TOKEN_ID, vocab) for _ in range(length)]
@@ -194,7 +194,9 @@ def _fmt(value: Optional[float]) -> str:
     return "-" if value is None else f"{value:.1f}"
 
 
-def table(results: dict[str, dict], batches: list[int], prefill_len: int) -> str:
+def table(
+    results: dict[str, dict], batches: list[int], prefill_len: int, ratios: Optional[list[tuple[str, str]]] = None
+) -> str:
     header = ("system", "version", f"prefill {prefill_len} tok/s", *(f"decode b{b} tok/s" for b in batches))
     rows = []
     for name, r in results.items():
@@ -204,7 +206,7 @@ def table(results: dict[str, dict], batches: list[int], prefill_len: int) -> str
         decode = [_fmt(r["decode"].get(str(b))) for b in batches]
         rows.append((name, r.get("version", "?"), _fmt(r["prefill_tok_s"]), *decode))
     rows.append(tuple("" for _ in header))
-    for ours, theirs in RATIOS:
+    for ours, theirs in ratios or RATIOS:
         a, b = results.get(ours, {}), results.get(theirs, {})
         if "prefill_tok_s" not in a or "prefill_tok_s" not in b:
             continue
@@ -232,8 +234,18 @@ def _ratio(a: Optional[float], b: Optional[float]) -> str:
     return "-" if not a or not b else f"{a / b:.2f}x"
 
 
-def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse_args(
+    argv: Optional[list[str]] = None,
+    *,
+    description: Optional[str] = None,
+    defaults: Optional[dict] = None,
+    extra: Optional[Callable[[argparse.ArgumentParser], None]] = None,
+) -> argparse.Namespace:
+    """The command line; another comparison (moe_compare.py) passes its own ``description``, ``defaults`` and
+    ``extra`` options."""
+    parser = argparse.ArgumentParser(
+        description=description or __doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model-dir", type=Path, default=QWEN3_SHAPE_DIR)
     parser.add_argument(
         "--only",
@@ -257,6 +269,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, default=BENCH_DIR / "cpu_compare.json")
+    if extra is not None:
+        extra(parser)
+    parser.set_defaults(**(defaults or {}))
     return parser.parse_args(argv)
 
 

@@ -1,4 +1,5 @@
-"""Convert a Hugging Face Qwen3 safetensors checkpoint into a GGUF file llama.cpp loads (BF16, Q8_0, Q4_0, Q4_K_M).
+"""Convert a Hugging Face Qwen3 or Qwen3-MoE safetensors checkpoint into a GGUF file llama.cpp loads (BF16, Q8_0,
+Q4_0, Q4_K_M).
 
 Runs in the llama.cpp virtual environment (``numpy`` and ``gguf``; no torch): the safetensors files are
 parsed by hand so BF16 weights are copied bit-for-bit. The tokenizer section is a minimal
@@ -11,6 +12,14 @@ both; Q4_K_M also keeps ``attn_v`` and ``ffn_down`` of half the layers, 14 of 28
 
     python gguf_export.py --model DIR [--quant bf16|q8_0|q4_0|q4_k_m] [--out FILE]
 
+Qwen3-MoE (``model_type`` qwen3_moe) becomes llama.cpp's ``qwen3moe`` architecture, laid out as its own converter
+lays it out: the router ``mlp.gate`` is ``ffn_gate_inp`` (kept F32, as llama.cpp keeps it), and each layer's
+per-expert ``experts.{e}.gate_proj/up_proj/down_proj`` are stacked into one ``ffn_gate_exps`` / ``ffn_up_exps``
+[E, moe_intermediate, hidden] and ``ffn_down_exps`` [E, hidden, moe_intermediate] tensor, with ``expert_count``,
+``expert_used_count`` and ``expert_feed_forward_length`` in the metadata. llama.cpp's qwen3moe graph always
+renormalises the top-k weights and has no dense layers, so a config with ``norm_topk_prob`` false or
+``mlp_only_layers`` / ``decoder_sparse_step`` > 1 is refused rather than converted into a different model.
+
 Without ``--out`` the file is cached as ``DIR/ggml-model-<quant>.gguf`` and reused when present.
 """
 
@@ -18,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import struct
 import sys
 from collections.abc import Iterator
@@ -38,7 +48,13 @@ _LAYER_NAMES = {
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
+    "mlp.gate": "ffn_gate_inp",  # the MoE router [experts, hidden]
 }
+# One per-expert projection of a Qwen3-MoE layer: stacked over the experts into llama.cpp's *_exps tensor.
+_EXPERT = re.compile(
+    r"^model\.layers\.(?P<layer>\d+)\.mlp\.experts\.(?P<expert>\d+)\.(?P<proj>gate|up|down)_proj\.weight$"
+)
+_ARCHES = {"qwen3": "qwen3", "qwen3_moe": "qwen3moe"}  # HF model_type -> llama.cpp architecture
 _GLOBAL_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
 _QUANTS = {
     "bf16": (gguf.GGMLQuantizationType.BF16, gguf.LlamaFileType.MOSTLY_BF16),
@@ -107,8 +123,21 @@ def _rope_theta(config: dict) -> float:
     return float((config.get("rope_parameters") or {}).get("rope_theta", 1_000_000.0))
 
 
+def num_experts(config: dict) -> int:
+    """Routed experts of a Qwen3-MoE config (the Hub's ``num_experts``; transformers 5 writes ``num_local_experts``)."""
+    return int(config.get("num_experts") or config.get("num_local_experts") or 0)
+
+
+def check_moe_config(config: dict) -> None:
+    """ValueError for a Qwen3-MoE config llama.cpp's qwen3moe graph would compute differently."""
+    if not config.get("norm_topk_prob", False):
+        raise ValueError("llama.cpp's qwen3moe always renormalises the top-k weights; norm_topk_prob is false")
+    if config.get("mlp_only_layers") or int(config.get("decoder_sparse_step") or 1) != 1:
+        raise ValueError("llama.cpp's qwen3moe has no dense layers (mlp_only_layers / decoder_sparse_step > 1)")
+
+
 def add_hparams(writer: gguf.GGUFWriter, config: dict, quant: str) -> None:
-    """The qwen3 architecture metadata llama.cpp reads."""
+    """The qwen3 / qwen3moe architecture metadata llama.cpp reads."""
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     writer.add_name(Path(config.get("_name_or_path") or "qwen3").name or "qwen3")
     writer.add_file_type(_QUANTS[quant][1])
@@ -122,6 +151,10 @@ def add_hparams(writer: gguf.GGUFWriter, config: dict, quant: str) -> None:
     writer.add_value_length(head_dim)
     writer.add_rope_freq_base(_rope_theta(config))
     writer.add_layer_norm_rms_eps(float(config.get("rms_norm_eps", 1e-6)))
+    if config.get("model_type") == "qwen3_moe":
+        writer.add_expert_count(num_experts(config))
+        writer.add_expert_used_count(int(config["num_experts_per_tok"]))
+        writer.add_expert_feed_forward_length(int(config["moe_intermediate_size"]))
 
 
 def vocab_tokens(model_dir: Path, vocab_size: int) -> list[str]:
@@ -162,21 +195,51 @@ def add_tokenizer(writer: gguf.GGUFWriter, model_dir: Path, config: dict) -> Non
     writer.add_add_eos_token(False)
 
 
+def gguf_tensors(model_dir: Path, config: dict) -> Iterator[tuple[str, str, np.ndarray]]:
+    """(GGUF name, safetensors dtype, array) for every tensor llama.cpp reads, in checkpoint order; a layer's
+    per-expert projections come out once, stacked over the experts (wherever the shards put them)."""
+    tensors = {name: (dtype, array) for name, dtype, array in read_safetensors(model_dir)}
+    tied = config.get("tie_word_embeddings", True)
+    stacked: set[tuple[str, str]] = set()
+    for name, (dtype, array) in tensors.items():
+        if name == "lm_head.weight" and tied:
+            continue
+        expert = _EXPERT.match(name)
+        if expert is None:
+            yield gguf_name(name), dtype, array
+            continue
+        layer, proj = expert["layer"], expert["proj"]
+        if (layer, proj) in stacked:
+            continue
+        stacked.add((layer, proj))
+        names = [f"model.layers.{layer}.mlp.experts.{e}.{proj}_proj.weight" for e in range(num_experts(config))]
+        missing = [n for n in names if n not in tensors]
+        if missing:
+            raise KeyError(f"checkpoint lacks {missing[0]!r} ({len(missing)} expert tensors missing)")
+        # [E, out, in]: ggml's [in, out, E], the shape llama.cpp's loader asks for.
+        yield f"blk.{layer}.ffn_{proj}_exps.weight", dtype, np.stack([tensors[n][1] for n in names])
+
+
 def export(model_dir: Path, quant: str, out: Path) -> Path:
     """Write ``out`` from the checkpoint in ``model_dir``; returns ``out``."""
     config = json.loads((model_dir / "config.json").read_text())
-    if config.get("model_type") != "qwen3":
-        raise ValueError(f"only qwen3 checkpoints are supported, got {config.get('model_type')!r}")
+    model_type = config.get("model_type")
+    if model_type not in _ARCHES:
+        raise ValueError(f"only {' and '.join(_ARCHES)} checkpoints are supported, got {model_type!r}")
+    moe = model_type == "qwen3_moe"
+    if moe:
+        check_moe_config(config)
     partial = out.with_name(out.name + ".partial")
-    writer = gguf.GGUFWriter(partial, arch="qwen3")
+    # MoE: each stacked expert tensor goes to a spooled file as it is added, so at most one is held in memory.
+    writer = gguf.GGUFWriter(partial, arch=_ARCHES[model_type], use_temp_file=moe)
     add_hparams(writer, config, quant)
     add_tokenizer(writer, model_dir, config)
-    tied = config.get("tie_word_embeddings", True)
-    for name, dtype, array in read_safetensors(model_dir):
-        if name == "lm_head.weight" and tied:
-            continue
-        data, qtype = encode_tensor(array, dtype, quant)
-        writer.add_tensor(gguf_name(name), data, raw_dtype=qtype)
+    for name, dtype, array in gguf_tensors(model_dir, config):
+        if name.endswith("ffn_gate_inp.weight"):  # the router stays F32 (lossless from BF16), as llama.cpp keeps it
+            data, qtype = to_float32(array, dtype), gguf.GGMLQuantizationType.F32
+        else:
+            data, qtype = encode_tensor(array, dtype, quant)
+        writer.add_tensor(name, data, raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -221,7 +284,7 @@ def ensure_gguf(model_dir: Path, quant: str) -> Path:
 def main() -> None:
     """Command line: export one checkpoint to GGUF."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", required=True, help="HF Qwen3 checkpoint directory")
+    parser.add_argument("--model", required=True, help="HF Qwen3 or Qwen3-MoE checkpoint directory")
     parser.add_argument("--quant", choices=sorted([*_QUANTS, *_LLAMA_CPP_FTYPES]), default="bf16")
     parser.add_argument("--out", default=None, help="output file (default: cached next to the checkpoint)")
     args = parser.parse_args()

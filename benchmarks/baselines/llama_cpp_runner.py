@@ -41,6 +41,12 @@ def add_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--n-ctx", type=int, default=None, help="KV cache size in tokens (default: from workload)")
     parser.add_argument("--flash-attn", choices=sorted(_FLASH_ATTN), default="auto")
     parser.add_argument(
+        "--extra-bufts",
+        choices=["on", "off"],
+        default="on",
+        help="llama.cpp's extra weight buffers (the AMX repack on AMX hosts); off: plain CPU buffers",
+    )
+    parser.add_argument(
         "--omp-wait-policy",
         choices=["passive", "active", "unset"],
         default="unset",
@@ -72,13 +78,25 @@ def workload_sizes(workload: dict) -> tuple[int, int, int]:
 class BatchedGreedy:
     """One llama.cpp context decoding up to ``n_seq`` sequences together, greedily."""
 
-    def __init__(self, gguf: Path, n_ctx: int, n_batch: int, n_seq: int, threads: int, flash_attn: int) -> None:
+    def __init__(
+        self,
+        gguf: Path,
+        n_ctx: int,
+        n_batch: int,
+        n_seq: int,
+        threads: int,
+        flash_attn: int,
+        extra_bufts: bool = True,
+    ) -> None:
         """Load ``gguf`` and make a context for ``n_seq`` sequences sharing ``n_ctx`` KV slots."""
         import llama_cpp as ll
 
         self.ll = ll
         ll.llama_backend_init()
         model_params = ll.llama_model_default_params()
+        # 0.3.36's AMX repack segfaults in the first decode of Q4_0 / Q4_K_M models on an AMX Xeon host (seen with a
+        # tiny dense Qwen3 and with Qwen3-MoE); BF16 there ran, as did Q4 on the Zen 4 hosts (no AMX).
+        model_params.use_extra_bufts = extra_bufts
         self.model = ll.llama_model_load_from_file(str(gguf).encode(), model_params)
         if not self.model:
             raise RuntimeError(f"llama.cpp could not load {gguf}")
@@ -148,7 +166,8 @@ def build(args: argparse.Namespace, workload: dict) -> BatchedGreedy:
     n_ctx, n_batch, n_seq = workload_sizes(workload)
     threads = args.threads or os.cpu_count() or 1
     started = time.perf_counter()
-    engine = BatchedGreedy(gguf, args.n_ctx or n_ctx, n_batch, n_seq, threads, _FLASH_ATTN[args.flash_attn])
+    flash_attn, extra_bufts = _FLASH_ATTN[args.flash_attn], args.extra_bufts == "on"
+    engine = BatchedGreedy(gguf, args.n_ctx or n_ctx, n_batch, n_seq, threads, flash_attn, extra_bufts)
     protocol.progress(f"llama.cpp loaded {gguf.name} in {time.perf_counter() - started:.1f} s (n_ctx {n_ctx})")
     return engine
 
@@ -172,6 +191,7 @@ def main() -> None:
         quant=args.quant,
         threads=args.threads or os.cpu_count(),
         flash_attn=args.flash_attn,
+        extra_bufts=args.extra_bufts,
         omp_wait_policy=os.environ.get("OMP_WAIT_POLICY", "unset"),
         system_info=system_info,
     )

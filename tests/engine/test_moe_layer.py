@@ -57,7 +57,9 @@ def ragged_routing(num_tokens: int, top_k: int, seed: int) -> tuple[torch.Tensor
 
 @pytest.mark.parametrize("renormalize", [True, False])
 def test_select_experts_is_the_float32_softmax_top_k_optionally_renormalised(renormalize: bool) -> None:
-    logits = torch.randn(9, EXPERTS, dtype=torch.bfloat16)
+    # distinct logits in every row (exact in bf16): the top 3 are defined without ties
+    generator = torch.Generator().manual_seed(3)
+    logits = (torch.stack([torch.randperm(EXPERTS, generator=generator) for _ in range(9)]).float() / 4).bfloat16()
     weights, ids = select_experts(logits, 3, renormalize=renormalize)
     assert weights.dtype == torch.float32 and ids.dtype == torch.int64 and weights.shape == ids.shape == (9, 3)
     probs = torch.softmax(logits.float(), dim=-1)
@@ -121,3 +123,32 @@ def test_bf16_experts_on_the_native_cpu_kernels_route_every_row_to_its_experts(q
             per_token[t] += (row * weights[t, j].to(torch.bfloat16)).float()
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), per_token, atol=0.05, rtol=0.02)
+
+
+def test_routed_experts_keep_one_kernel_where_other_layers_would_dispatch_on_row_count() -> None:
+    """Row-count dispatch holds two copies of a weight; the experts are most of a MoE model's bytes, so they keep the
+    many-rows winner alone while a dense layer of the same shape gets both kernels."""
+    from pagoda.cpu.kernel_selection import Selection
+    from pagoda.layers import Linear
+    from pagoda.layers.cpu_linear import RowDispatchLinear
+    from pagoda.layers.kernel_timing import ModelKernelSelector
+
+    built: list[str] = []
+
+    class Kernel(str):
+        @property
+        def name(self) -> str:
+            return str(self)
+
+    def builder(name: str):
+        return lambda weight, bias: built.append(name) or Kernel(name)
+
+    selector = ModelKernelSelector(torch.bfloat16, None)
+    selector.selection = lambda key, candidates: Selection(((1, "few"), (8, "many")), how="forced")
+    candidates = {"few": builder("few"), "many": builder("many")}
+    experts = MoEExperts(2, 16, 8, torch.bfloat16)
+    expert_layer = experts.experts[0].down_proj
+    assert expert_layer.one_weight_copy and not Linear(8, 16, False, torch.bfloat16).one_weight_copy
+    assert selector.kernel(expert_layer, "linear", candidates) == "many" and built == ["many"]
+    dense = Linear(8, 16, False, torch.bfloat16)
+    assert isinstance(selector.kernel(dense, "linear", candidates), RowDispatchLinear) and built[1:] == ["few", "many"]

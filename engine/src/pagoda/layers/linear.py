@@ -60,6 +60,9 @@ class Linear(nn.Module):
     # Never quantized at load (--quantization int8 / fp8): a mixture of experts' router, whose logits pick the
     # experts; quantizing it changes which experts tokens go to, not just a rounding step. Checkpoints leave it dense.
     keep_dense: bool = False
+    # One kernel, one weight copy: no row-count dispatch between two kernels that each hold the weight
+    # (kernel_timing.ModelKernelSelector). Set on routed experts, which hold most of a mixture of experts' bytes.
+    one_weight_copy: bool = False
 
     def __init__(
         self,

@@ -102,6 +102,8 @@ class MoEExperts(nn.Module):
         self.experts = nn.ModuleList(
             ExpertMLP(hidden_size, intermediate_size, dtype, bias, act) for _ in range(num_experts)
         )
+        for expert in self.experts:  # the experts are most of a MoE model's bytes: never two copies of them
+            expert.gate_up_proj.one_weight_copy = expert.down_proj.one_weight_copy = True
 
     def forward(
         self,
