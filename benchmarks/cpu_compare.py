@@ -234,6 +234,30 @@ def _ratio(a: Optional[float], b: Optional[float]) -> str:
     return "-" if not a or not b else f"{a / b:.2f}x"
 
 
+def run_rounds(
+    chosen: list[System],
+    model_dirs: dict[str, Path | str],
+    workload: dict,
+    args: argparse.Namespace,
+    run: Callable[[System, Path | str, Path, argparse.Namespace], dict] = run_system,
+) -> dict[str, dict]:
+    """Every system of ``chosen`` once per round (``args.rounds``), interleaved, each by ``run``; each one's
+    per-metric median."""
+    with tempfile.TemporaryDirectory() as tmp:
+        workload_path = Path(tmp) / "workload.json"
+        workload_path.write_text(json.dumps(workload))
+        rounds: dict[str, list[dict]] = {}
+        for round_index in range(args.rounds):
+            if args.rounds > 1:
+                log(f"round {round_index + 1} of {args.rounds}")
+            for system in chosen:
+                result = run(system, model_dirs[system.checkpoint], workload_path, args)
+                rounds.setdefault(system.name, []).append(result)
+                if "skipped" in result or "error" in result:
+                    log(f"{system.name}: {result.get('skipped') or result['error']}")
+    return {name: median_result(runs) for name, runs in rounds.items()}
+
+
 def parse_args(
     argv: Optional[list[str]] = None,
     *,
@@ -287,20 +311,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     facts["host"]["kernels"] = kernel_selection()
     if any(s.key == "pagoda-int8" for s in chosen):
         facts["host"]["kernels_int8"] = kernel_selection("int8")
-    results: dict[str, dict] = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        workload_path = Path(tmp) / "workload.json"
-        workload_path.write_text(json.dumps(make_workload(args)))
-        rounds: dict[str, list[dict]] = {}
-        for round_index in range(args.rounds):
-            if args.rounds > 1:
-                log(f"round {round_index + 1} of {args.rounds}")
-            for system in chosen:
-                result = run_system(system, model_dirs[system.checkpoint], workload_path, args)
-                rounds.setdefault(system.name, []).append(result)
-                if "skipped" in result or "error" in result:
-                    log(f"{system.name}: {result.get('skipped') or result['error']}")
-        results = {name: median_result(runs) for name, runs in rounds.items()}
+    results = run_rounds(chosen, model_dirs, make_workload(args), args)
     batches = [int(b) for b in args.batches.split(",")]
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({"machine": facts, "results": results}, indent=2))

@@ -28,7 +28,6 @@ import random
 import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from typing import Optional
 
@@ -309,19 +308,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     model_dirs = prepare_checkpoints(model_dir, shape, chosen)
     facts = machine_facts()
     facts["host"] = host_facts()  # before the systems run, so the bandwidth is measured on a quiet machine
-    with tempfile.TemporaryDirectory() as tmp:
-        workload_path = Path(tmp) / "workload.json"
-        workload_path.write_text(json.dumps(cpu_compare.make_workload(args, shape["vocab_size"])))
-        rounds: dict[str, list[dict]] = {}
-        for round_index in range(args.rounds):
-            if args.rounds > 1:
-                log(f"round {round_index + 1} of {args.rounds}")
-            for system in chosen:
-                result = run_system(system, model_dirs[system.checkpoint], workload_path, args)
-                rounds.setdefault(system.name, []).append(result)
-                if "skipped" in result or "error" in result:
-                    log(f"{system.name}: {result.get('skipped') or result['error']}")
-    results = {name: cpu_compare.median_result(runs) for name, runs in rounds.items()}
+    workload = cpu_compare.make_workload(args, shape["vocab_size"])
+    results = cpu_compare.run_rounds(chosen, model_dirs, workload, args, run=run_system)
     batches = [int(b) for b in args.batches.split(",")]
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({"machine": facts, "shape": shape, "results": results}, indent=2))
