@@ -21,7 +21,6 @@ Every layer caches its whole K/V (the sliding layers' old blocks are kept, not r
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, ClassVar, Optional
 
@@ -31,10 +30,9 @@ from torch import nn
 from pagoda.attention.protocol import AttentionBackend, AttentionMetadata
 from pagoda.distributed.parallel import SINGLE, TensorParallel
 from pagoda.distributed.sharding import ShardLayout
-from pagoda.layers import Attention, Embedding, Linear, RotaryEmbedding
+from pagoda.layers import Embedding, Linear, RotaryEmbedding
 from pagoda.model_config import ModelConfig, RopeScaling, gemma_layer_types, parse_rope
-from pagoda.models.llama import KVCacheSpec, LlamaAttention, LlamaMLP
-from pagoda.models.weights import load_named_weights
+from pagoda.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
 
 Rope = tuple[float, Optional[RopeScaling]]  # (base, scaling)
 
@@ -44,7 +42,6 @@ class GemmaParams:
     """The family fields of a Gemma config.json, resolved with Gemma2Config's / Gemma3TextConfig's defaults."""
 
     activation: str
-    tie_word_embeddings: bool
     query_pre_attn_scalar: float
     attn_logit_softcap: Optional[float]
     final_logit_softcap: Optional[float]
@@ -66,8 +63,6 @@ class GemmaParams:
             global_rope, local_rope = _gemma3_ropes(raw)
         return cls(
             activation=str(raw.get("hidden_activation") or "gelu_pytorch_tanh"),
-            # Hub configs of both families often omit it; both configs default to tied embeddings.
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", True)),
             query_pre_attn_scalar=float(raw.get("query_pre_attn_scalar") or 256),
             attn_logit_softcap=_optional_cap(raw, "attn_logit_softcapping", 50.0) if gemma2 else None,
             final_logit_softcap=_optional_cap(raw, "final_logit_softcapping", 30.0 if gemma2 else None),
@@ -130,16 +125,8 @@ class GemmaAttention(LlamaAttention):
         tp: TensorParallel,
         params: GemmaParams,
     ) -> None:
-        super().__init__(config, layer_idx, backend, dtype, shard, tp)
-        self.attn = Attention(
-            self.num_heads,
-            self.num_kv_heads,
-            self.head_dim,
-            backend,
-            config.layer_sliding_windows[layer_idx],
-            scale=params.query_pre_attn_scalar**-0.5,
-            logits_soft_cap=params.attn_logit_softcap,
-        )
+        scale, cap = params.query_pre_attn_scalar**-0.5, params.attn_logit_softcap
+        super().__init__(config, layer_idx, backend, dtype, shard, tp, scale=scale, logits_soft_cap=cap)
         self.qk_norm = params.qk_norm  # read by LlamaAttention.normalize_qk
         if params.qk_norm:
             self.q_norm = GemmaRMSNorm(config.head_dim, config.rms_norm_eps, dtype)
@@ -200,20 +187,19 @@ class GemmaModel(nn.Module):
             self.rotary_emb_local = RotaryEmbedding(config.head_dim, *params.local_rope)
 
 
-class Gemma2ForCausalLM(nn.Module):
-    """Gemma 2 decoder over a flattened (varlen) batch and a paged KV cache."""
+class Gemma2ForCausalLM(LlamaForCausalLM):
+    """Gemma 2 decoder over a flattened (varlen) batch and a paged KV cache; the KV cache spec, weight loading and
+    sharding are the Llama decoder's."""
 
     family: ClassVar[str] = "gemma2"
 
     def __init__(
         self, config: ModelConfig, attn_backend: AttentionBackend, dtype: torch.dtype, tp: TensorParallel = SINGLE
     ) -> None:
-        super().__init__()
+        nn.Module.__init__(self)  # its own layers, not LlamaForCausalLM's
         self.params = GemmaParams.from_config(config, self.family)
-        # The shared layers read these two from ModelConfig, whose generic defaults are not Gemma's.
-        config = dataclasses.replace(
-            config, hidden_act=self.params.activation, tie_word_embeddings=self.params.tie_word_embeddings
-        )
+        # The shared MLP reads the activation from ModelConfig, whose default (silu) is not Gemma's.
+        config = dataclasses.replace(config, hidden_act=self.params.activation)
         self.config = config
         self.dtype = dtype
         self.attn_backend = attn_backend
@@ -232,11 +218,6 @@ class Gemma2ForCausalLM(nn.Module):
         tied = self.model.embed_tokens.weight if config.tie_word_embeddings else None
         self.lm_head = Linear(config.hidden_size, self.shard.vocab_shard, bias=False, dtype=dtype, shared_weight=tied)
         self._local_layers = [kind == "sliding_attention" for kind in self.params.layer_types]
-
-    @property
-    def kv_cache_spec(self) -> KVCacheSpec:
-        """Shape of this rank's per-layer KV cache (see :mod:`pagoda.attention.protocol` for the layout)."""
-        return KVCacheSpec(self.config.num_hidden_layers, self.shard.num_kv_heads, self.config.head_dim)
 
     @torch.inference_mode()
     def forward(
@@ -272,23 +253,7 @@ class Gemma2ForCausalLM(nn.Module):
             logits = self.lm_head.forward_float32(hidden)  # [n, vocab_shard]
         else:
             logits = (torch.tanh(self.lm_head(hidden) / cap) * cap).float()
-        if self.tp.world_size == 1:
-            return logits
-        gathered = self.tp.gather_to_first(logits)  # [n, world_size * vocab_shard] on rank 0
-        return None if gathered is None else gathered[:, : self.config.vocab_size]
-
-    @torch.inference_mode()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copy checkpoint tensors (HF names) into the parameters; return the parameter names filled.
-
-        Raises ValueError for unexpected names, shape mismatches and parameters the checkpoint does not provide.
-        """
-        skip: Optional[set[str]] = {"lm_head.weight"} if self.config.tie_word_embeddings else None
-        return load_named_weights(self, weights, skip_names=skip)
-
-    def read_shard(self, name: str, tensor_slice: Any) -> torch.Tensor:
-        """This rank's part of checkpoint tensor ``name`` (``tensor_slice``: safetensors' lazy slice)."""
-        return self.shard.read(name, tensor_slice, self.config.num_key_value_heads)
+        return self.gather_logits(logits)
 
 
 class Gemma3ForCausalLM(Gemma2ForCausalLM):

@@ -32,7 +32,7 @@ from torch import nn
 from pagoda.attention.protocol import AttentionBackend
 from pagoda.distributed.parallel import SINGLE, TensorParallel
 from pagoda.distributed.sharding import ShardLayout
-from pagoda.layers import Attention, Linear, RMSNorm
+from pagoda.layers import Linear, RMSNorm
 from pagoda.layers.linear import linear_weights_on_meta
 from pagoda.layers.moe import MoEExperts
 from pagoda.model_config import ModelConfig
@@ -119,9 +119,7 @@ class GptOssAttention(LlamaAttention):
         shard: ShardLayout,
         tp: TensorParallel = SINGLE,
     ) -> None:
-        super().__init__(config, layer_idx, backend, dtype, shard, tp)
-        window = config.layer_sliding_windows[layer_idx]
-        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, backend, window, sinks=True)
+        super().__init__(config, layer_idx, backend, dtype, shard, tp, sinks=True)
 
 
 class GptOssMLP(nn.Module):

@@ -56,6 +56,7 @@ class LlamaAttention(nn.Module):
         dtype: torch.dtype,
         shard: ShardLayout,
         tp: TensorParallel = SINGLE,
+        **attention_options: Any,  # the Attention layer's family options: scale, logits_soft_cap, sinks
     ) -> None:
         super().__init__()
         self.tp = tp
@@ -67,7 +68,12 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = MergedLinear(config.hidden_size, self.split_sizes, config.qkv_bias, dtype)
         self.o_proj = Linear(q_size, config.hidden_size, config.o_proj_bias, dtype)
         self.attn = Attention(
-            self.num_heads, self.num_kv_heads, self.head_dim, backend, config.layer_sliding_windows[layer_idx]
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            backend,
+            config.layer_sliding_windows[layer_idx],
+            **attention_options,
         )
         if self.qk_norm:
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype)
@@ -247,7 +253,10 @@ class LlamaForCausalLM(nn.Module):
 
         Under tensor parallelism each rank computes its vocabulary rows and rank 0 gathers them (None elsewhere).
         """
-        logits = self.lm_head.forward_float32(hidden)  # [n, vocab_shard]
+        return self.gather_logits(self.lm_head.forward_float32(hidden))
+
+    def gather_logits(self, logits: torch.Tensor) -> Optional[torch.Tensor]:
+        """This rank's vocabulary rows [n, vocab_shard] -> the whole [n, vocab] on rank 0 (None on the others)."""
         if self.tp.world_size == 1:
             return logits
         gathered = self.tp.gather_to_first(logits)  # [n, world_size * vocab_shard] on rank 0
